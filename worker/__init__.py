@@ -1,0 +1,1 @@
+"""Runpod Serverless worker for vLLM."""

@@ -1,0 +1,374 @@
+"""The proxy: one job in, one HTTP request to the local vLLM, its answer out.
+
+``handler`` is the async generator given to the runpod SDK. Non-streaming answers are
+yielded once (a dict for JSON, text otherwise). Streams are relayed as text holding whole
+SSE events, byte for byte as vLLM sent them: the bytes are only cut after an event's blank
+line, so no event and no UTF-8 character is ever split. vLLM's stream is read by a
+background task into a buffer, so a slow consumer (the SDK POSTs each yield before asking
+for the next) never slows vLLM down, and each yield takes everything buffered.
+
+Every failure is yielded as ``{"error": "<JSON of a WorkerError>"}``, which runpod 1.12
+turns into a FAILED job whose ``error`` is that JSON text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import shlex
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from worker.errors import (
+    BackendUnavailable,
+    ConfigError,
+    RequestTimeout,
+    VllmError,
+    WorkerError,
+)
+from worker.routing import BatchPolicy, VllmRequest, parse_job_input
+from worker.settings import Settings
+
+logger = logging.getLogger("worker.handler")
+
+# An SSE event ends with a blank line; the spec allows three line-ending styles.
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# Routes whose request models reject unknown fields: never add "model" to those bodies.
+_NO_DEFAULT_MODEL = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_CONNECT_ATTEMPTS = 4
+
+BackendFailureProbe = Callable[[], Awaitable[str | None]]
+
+
+def _is_loopback(url: str) -> bool:
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_connect_failure(exc: BaseException) -> bool:
+    """True when the request never reached vLLM, so sending it again is safe.
+
+    httpx-aiohttp maps aiohttp's errors loosely (a refused connection arrives as
+    ``ConnectTimeout``, a mid-response disconnect too), so look at the original cause.
+    """
+    cause = exc.__cause__
+    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
+        return isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+    return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    cause = exc.__cause__
+    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
+        return isinstance(cause, aiohttp.ServerTimeoutError) and not isinstance(
+            cause, aiohttp.ConnectionTimeoutError
+        )
+    return isinstance(exc, httpx.ReadTimeout)
+
+
+def served_model_from_env(env: dict[str, str] | os._Environ[str]) -> str | None:
+    """The name vLLM serves the model under when the environment fixes it."""
+    for name in ("OPENAI_SERVED_MODEL_NAME_OVERRIDE", "SERVED_MODEL_NAME"):
+        value = env.get(name, "").strip()
+        if value:
+            return shlex.split(value)[0]
+    return None
+
+
+class _SseRelay:
+    """Reads an SSE body in the background and hands out batches of whole events."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._pending: list[str] = []
+        self._pending_events = 0
+        self._finished = False
+        self._error: BaseException | None = None
+        self._wakeup = asyncio.Event()
+        self._reader = asyncio.create_task(self._read(chunks))
+
+    async def _read(self, chunks: AsyncIterator[bytes]) -> None:
+        buffer = bytearray()
+        try:
+            async for chunk in chunks:
+                # A terminator is at most 4 bytes: rescan only the seam with the new chunk.
+                scan_from = max(0, len(buffer) - 3)
+                buffer += chunk
+                cut, count = 0, 0
+                for match in _EVENT_END.finditer(buffer, scan_from):
+                    cut, count = match.end(), count + 1
+                if count:
+                    self._pending.append(buffer[:cut].decode("utf-8", errors="replace"))
+                    del buffer[:cut]
+                    self._pending_events += count
+                    self._wakeup.set()
+            if buffer:  # an unterminated last event: relay it as it is
+                self._pending.append(buffer.decode("utf-8", errors="replace"))
+                self._pending_events += 1
+        except Exception as exc:  # handed to the consumer, which maps it
+            self._error = exc
+        finally:
+            self._finished = True
+            self._wakeup.set()
+
+    async def batches(self, policy: BatchPolicy) -> AsyncIterator[str]:
+        sizes = policy.sizes()
+        while True:
+            while self._pending_events < sizes.current and not self._finished:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            if self._pending:
+                text = "".join(self._pending)
+                self._pending.clear()
+                self._pending_events = 0
+                yield text
+                sizes.advance()
+            elif self._finished:
+                break
+        if self._error is not None:
+            raise self._error
+
+    async def aclose(self) -> None:
+        if not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+
+class Proxy:
+    """Forwards jobs to one local vLLM over one shared, pooled HTTP client."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        served_model: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        backend_failure: BackendFailureProbe | None = None,
+    ) -> None:
+        if not _is_loopback(settings.base_url):
+            raise ConfigError(
+                f"VLLM_BASE_URL={settings.base_url!r} is not a loopback address; the worker "
+                "only talks to the vLLM it runs (e.g. http://127.0.0.1:8000)."
+            )
+        self._settings = settings
+        self._base_url = settings.base_url
+        self._served_model = served_model
+        self._model_lock: asyncio.Lock | None = None
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._backend_failure = backend_failure
+        self._dead_reason: str | None = None
+        self._batch_defaults = BatchPolicy(
+            max_batch_size=settings.default_batch_size,
+            min_batch_size=settings.default_min_batch_size,
+            growth_factor=settings.default_batch_size_growth_factor,
+        )
+        read_timeout = settings.request_timeout or None
+        self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
+
+    # -- the client ----------------------------------------------------------------------
+    def _get_client(self) -> httpx.AsyncClient:
+        # Created lazily: an aiohttp-backed client belongs to the loop that runs the jobs.
+        if self._client is None:
+            pool = self._settings.max_concurrency + 8
+            limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+            transport = self._transport
+            if transport is None:
+                from httpx_aiohttp import AiohttpTransport
+
+                transport = AiohttpTransport(limits=limits, trust_env=False)
+            self._client = httpx.AsyncClient(
+                base_url=self._base_url,
+                transport=transport,
+                limits=limits,
+                timeout=self._timeout,
+                trust_env=False,
+                follow_redirects=False,
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def mark_backend_dead(self, reason: str) -> None:
+        """From now on answer every job with backend_unavailable at once."""
+        self._dead_reason = reason
+
+    # -- the job -----------------------------------------------------------------------
+    async def handle(self, job: dict[str, Any]) -> AsyncIterator[Any]:
+        """Run one job; yield vLLM's answer, or ``{"error": ...}`` on any failure."""
+        failure: WorkerError | None = None
+        try:
+            if self._dead_reason is not None:
+                raise BackendUnavailable(self._dead_reason)
+            request = parse_job_input(job.get("input"), self._batch_defaults)
+            request = await self._with_default_model(request)
+            async for item in self._forward(request):
+                yield item
+        except WorkerError as exc:
+            failure = exc
+        if failure is not None:
+            if failure.type != "invalid_request":
+                logger.warning("job %s failed: %s", job.get("id"), failure.message)
+            yield {"error": failure.to_json()}
+
+    async def _with_default_model(self, request: VllmRequest) -> VllmRequest:
+        body = request.body
+        if (
+            request.method != "POST"
+            or not isinstance(body, dict)
+            or "model" in body
+            or request.route.startswith(_NO_DEFAULT_MODEL)
+        ):
+            return request
+        model = await self.served_model()
+        if model is None:
+            return request
+        return VllmRequest(request.method, request.route, {**body, "model": model},
+                           request.stream, request.batch)
+
+    async def served_model(self) -> str | None:
+        """The served model name: fixed by configuration, else vLLM's first, cached."""
+        if self._served_model is not None:
+            return self._served_model
+        if self._model_lock is None:
+            self._model_lock = asyncio.Lock()
+        async with self._model_lock:
+            if self._served_model is None:
+                response = await self._send(self._get_client().build_request("GET", "/v1/models"))
+                try:
+                    await response.aread()
+                    if response.status_code >= 400:
+                        raise self._vllm_error(response)
+                    models = response.json().get("data") or []
+                    self._served_model = models[0]["id"] if models else None
+                finally:
+                    await response.aclose()
+        return self._served_model
+
+    async def _forward(self, request: VllmRequest) -> AsyncIterator[Any]:
+        client = self._get_client()
+        outgoing = client.build_request(
+            request.method,
+            request.route,
+            content=None if request.body is None else json.dumps(request.body).encode(),
+            headers={"content-type": "application/json"} if request.body is not None else None,
+        )
+        response = await self._send(outgoing)
+        try:
+            if response.status_code >= 400:
+                await self._read(response)
+                raise self._vllm_error(response)
+            content_type = response.headers.get("content-type", "")
+            if not (request.stream and content_type.startswith("text/event-stream")):
+                await self._read(response)
+                yield _decoded_body(response)
+                return
+            relay = _SseRelay(response.aiter_bytes())
+            try:
+                async for text in relay.batches(request.batch):
+                    yield text
+            except httpx.HTTPError as exc:
+                raise await self._transport_error(exc) from None
+            finally:
+                await relay.aclose()
+        finally:
+            await response.aclose()
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """Send with the body streamed back lazily; retry only connects that never landed."""
+        client = self._get_client()
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(
+                    lambda exc: self._dead_reason is None and _is_connect_failure(exc)
+                ),
+                stop=stop_after_attempt(_CONNECT_ATTEMPTS),
+                wait=wait_exponential(multiplier=0.1, max=1.0),
+                reraise=True,
+            ):
+                with attempt:
+                    return await client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise await self._transport_error(exc) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _read(self, response: httpx.Response) -> None:
+        try:
+            await response.aread()
+        except httpx.HTTPError as exc:
+            raise await self._transport_error(exc) from None
+
+    async def _transport_error(self, exc: httpx.HTTPError) -> WorkerError:
+        if _is_read_timeout(exc):
+            return RequestTimeout(
+                f"vLLM sent nothing for {self._settings.request_timeout:g} s "
+                "(REQUEST_TIMEOUT); the request was abandoned."
+            )
+        reason = self._dead_reason
+        if reason is None and self._backend_failure is not None:
+            reason = await self._backend_failure()
+        if reason is None:
+            reason = f"vLLM could not be reached at {self._base_url}: {exc or type(exc).__name__}"
+        return BackendUnavailable(reason)
+
+    @staticmethod
+    def _vllm_error(response: httpx.Response) -> VllmError:
+        detail: Any = None
+        message = response.text.strip() or response.reason_phrase
+        with contextlib.suppress(ValueError):
+            payload = response.json()
+            detail = payload.get("error", payload) if isinstance(payload, dict) else payload
+            if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+                message = detail["message"]
+            elif isinstance(payload, dict) and isinstance(payload.get("message"), str):
+                message = payload["message"]
+            elif isinstance(payload, dict) and isinstance(payload.get("detail"), str):
+                message = payload["detail"]
+        return VllmError(message, code=response.status_code, vllm=detail)
+
+
+def _decoded_body(response: httpx.Response) -> Any:
+    if "json" in response.headers.get("content-type", ""):
+        with contextlib.suppress(ValueError):
+            return response.json()
+    return response.text
+
+
+_default_proxy: Proxy | None = None
+
+
+async def handler(job: dict[str, Any]) -> AsyncIterator[Any]:
+    """The runpod handler for use on its own: the backend comes from VLLM_PORT/VLLM_BASE_URL.
+
+    The worker's server builds its own :class:`Proxy`; this entry point exists so the
+    handler can be tested and benchmarked without the supervisor.
+    """
+    global _default_proxy
+    if _default_proxy is None:
+        _default_proxy = Proxy(
+            Settings.from_env(os.environ), served_model=served_model_from_env(os.environ)
+        )
+    async for item in _default_proxy.handle(job):
+        yield item

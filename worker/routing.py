@@ -1,0 +1,214 @@
+"""Turn a job's input into one request to vLLM, or an InvalidRequest saying why not.
+
+Three shapes are accepted (all under ``job["input"]``):
+
+* ``openai_route`` + ``openai_input`` — what the platform's ``/openai/v1/...`` routes send;
+* ``route`` + ``method`` + ``body`` — any vLLM route;
+* ``prompt`` / ``messages`` + ``sampling_params`` — the classic worker-vllm shape.
+
+Parsing is pure and strict: a job that does not fit gets an error naming the field and what
+was expected, and nothing is sent. Routes are checked so that no job can make the worker
+talk to anything but the local vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker.errors import InvalidRequest
+
+ALLOWED_METHODS = frozenset({"GET", "POST", "DELETE"})
+
+# A plain absolute path: RFC 3986 path characters, then an optional query string.
+_ROUTE = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*(\?[A-Za-z0-9\-._~!$&'()*+,;=:@%/?]*)?")
+_MAX_ROUTE_LENGTH = 2048
+_BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How many SSE events go into each streamed yield (see :mod:`worker.handler`)."""
+
+    max_batch_size: int = 50
+    min_batch_size: int = 1
+    growth_factor: float = 3.0
+
+    def sizes(self) -> _BatchSizes:
+        return _BatchSizes(self)
+
+
+class _BatchSizes:
+    """The target size of each successive batch: min, min·f, min·f², … capped at max."""
+
+    def __init__(self, policy: BatchPolicy) -> None:
+        self._policy = policy
+        self.current = min(policy.min_batch_size, policy.max_batch_size)
+
+    def advance(self) -> None:
+        grown = math.ceil(self.current * self._policy.growth_factor)
+        self.current = min(max(grown, self.current), self._policy.max_batch_size)
+
+
+@dataclass(frozen=True)
+class VllmRequest:
+    """One HTTP request to the local vLLM, derived from a job."""
+
+    method: str
+    route: str
+    body: dict[str, Any] | list[Any] | None
+    stream: bool
+    batch: BatchPolicy
+
+
+def check_route(route: object, field: str) -> str:
+    """Return ``route`` if it is a plain absolute path on the local server, else raise."""
+    if not isinstance(route, str):
+        raise InvalidRequest(f"'{field}' must be a string path such as '/v1/models'.")
+    if len(route) > _MAX_ROUTE_LENGTH:
+        raise InvalidRequest(f"'{field}' is longer than {_MAX_ROUTE_LENGTH} characters.")
+    if not route.startswith("/") or route.startswith("//"):
+        raise InvalidRequest(
+            f"'{field}' must be an absolute path starting with a single '/', such as "
+            f"'/v1/chat/completions' (no scheme or host)."
+        )
+    if not _ROUTE.fullmatch(route):
+        raise InvalidRequest(
+            f"'{field}' may hold only URL path characters (no whitespace, control "
+            f"characters, backslashes or '#')."
+        )
+    path = route.split("?", 1)[0]
+    decoded = urllib.parse.unquote(path)
+    segments = decoded.split("/")
+    if any(segment in {"..", "."} for segment in segments) or "\\" in decoded or "//" in decoded:
+        raise InvalidRequest(f"'{field}' must not contain '.', '..' or empty path segments.")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in decoded):
+        raise InvalidRequest(f"'{field}' must not contain control characters.")
+    return route
+
+
+def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy:
+    values: dict[str, Any] = {
+        "max_batch_size": defaults.max_batch_size,
+        "min_batch_size": defaults.min_batch_size,
+        "growth_factor": defaults.growth_factor,
+    }
+    for key in _BATCH_KEYS:
+        if key not in data or data[key] is None:
+            continue
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"'{key}' must be a number.")
+        if key == "batch_size_growth_factor":
+            if not math.isfinite(value) or value < 1:
+                raise InvalidRequest("'batch_size_growth_factor' must be a number >= 1.")
+            values["growth_factor"] = float(value)
+        else:
+            if not float(value).is_integer() or value < 1:
+                raise InvalidRequest(f"'{key}' must be a whole number >= 1.")
+            values[key] = int(value)
+    return BatchPolicy(**values)
+
+
+def _stream_flag(body: object, field: str) -> bool:
+    if not isinstance(body, dict) or "stream" not in body:
+        return False
+    stream = body["stream"]
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"'{field}.stream' must be true or false.")
+    return stream
+
+
+def parse_job_input(job_input: object, defaults: BatchPolicy = BatchPolicy()) -> VllmRequest:
+    """Map a job's ``input`` to a :class:`VllmRequest`; raise InvalidRequest if it can't."""
+    if not isinstance(job_input, dict):
+        raise InvalidRequest("The job's 'input' must be a JSON object.")
+    batch = _batch_policy(job_input, defaults)
+
+    if "openai_route" in job_input:
+        route = check_route(job_input["openai_route"], "openai_route")
+        body = job_input.get("openai_input")
+        if body is not None and not isinstance(body, dict | list):
+            raise InvalidRequest("'openai_input' must be a JSON object.")
+        method = "POST" if body else "GET"
+        return VllmRequest(method, route, body or None, _stream_flag(body, "openai_input"), batch)
+
+    if "route" in job_input:
+        route = check_route(job_input["route"], "route")
+        body = job_input.get("body")
+        if body is not None and not isinstance(body, dict | list):
+            raise InvalidRequest("'body' must be a JSON object or array.")
+        method = job_input.get("method")
+        if method is None:
+            method = "POST" if body is not None else "GET"
+        if not isinstance(method, str) or method.upper() not in ALLOWED_METHODS:
+            raise InvalidRequest(
+                f"'method' must be one of {', '.join(sorted(ALLOWED_METHODS))}."
+            )
+        method = method.upper()
+        if method == "GET" and body is not None:
+            raise InvalidRequest("A GET request cannot have a 'body'; use POST.")
+        return VllmRequest(method, route, body, _stream_flag(body, "body"), batch)
+
+    if "messages" in job_input or "prompt" in job_input:
+        return _classic_request(job_input, batch)
+
+    raise InvalidRequest(
+        "The job's input has no known shape: give 'messages' or 'prompt' (with optional "
+        "'sampling_params'), 'openai_route' with 'openai_input', or 'route' with "
+        "'method' and 'body'."
+    )
+
+
+def _classic_request(job_input: Mapping[str, Any], batch: BatchPolicy) -> VllmRequest:
+    sampling = job_input.get("sampling_params", {})
+    if sampling is None:
+        sampling = {}
+    if not isinstance(sampling, dict):
+        raise InvalidRequest("'sampling_params' must be a JSON object, e.g. {\"max_tokens\": 64}.")
+    stream = job_input.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be true or false.")
+    apply_template = job_input.get("apply_chat_template", False)
+    if not isinstance(apply_template, bool):
+        raise InvalidRequest("'apply_chat_template' must be true or false.")
+
+    body: dict[str, Any] = dict(sampling)
+    if "messages" in job_input:
+        messages = job_input["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest(
+                "'messages' must be a non-empty list of {\"role\", \"content\"} objects."
+            )
+        if not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequest(
+                "Every item of 'messages' must be a {\"role\", \"content\"} object."
+            )
+        body["messages"] = messages
+        route = "/v1/chat/completions"
+    else:
+        prompt = job_input["prompt"]
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise InvalidRequest("'prompt' must be a string (or a non-empty list of them).")
+        if apply_template:
+            if not isinstance(prompt, str):
+                raise InvalidRequest("With 'apply_chat_template', 'prompt' must be a string.")
+            body["messages"] = [{"role": "user", "content": prompt}]
+            route = "/v1/chat/completions"
+        else:
+            body["prompt"] = prompt
+            route = "/v1/completions"
+    if "model" in job_input and isinstance(job_input["model"], str):
+        body.setdefault("model", job_input["model"])
+    body["stream"] = stream
+    if stream:
+        options = body.get("stream_options")
+        if options is None:
+            body["stream_options"] = {"include_usage": True}
+        elif isinstance(options, dict):
+            body["stream_options"] = {"include_usage": True, **options}
+    return VllmRequest("POST", route, body, stream, batch)

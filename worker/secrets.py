@@ -1,0 +1,74 @@
+"""Keep secrets out of argv, logs and job results.
+
+A value is secret when its environment variable's name says so (``HF_TOKEN``, ``*_TOKEN``,
+``*_KEY``, ``*_SECRET``, ``*PASSWORD*``, ...) or when it follows a flag that carries one
+(``--api-key``, ``--hf-token``). :class:`SecretMasker` replaces every occurrence of such a
+value in any text with ``***``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+MASK = "***"
+
+_SECRET_NAME = re.compile(
+    r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)($|_)|API_?KEY|ACCESS_KEY", re.IGNORECASE
+)
+# Flags of `vllm serve` whose value is a secret (must never be in argv; masked if it is).
+SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "--ssl-keyfile-password"})
+# Values this short are too likely to occur by chance in ordinary text to be masked safely.
+_MIN_SECRET_LENGTH = 4
+# Names that look secret but hold no secret.
+_NOT_SECRET = frozenset({"TOKENIZER_NAME", "TOKENIZER", "MAX_TOKENS", "KEY_FILE"})
+
+
+def is_secret_name(name: str) -> bool:
+    """True when an environment variable of this name holds a secret."""
+    upper = name.upper()
+    if upper in _NOT_SECRET or "TOKENIZER" in upper or "TOKENS" in upper:
+        return False
+    return bool(_SECRET_NAME.search(upper))
+
+
+class SecretMasker:
+    """Masks known secret values in text. Build it once from the environment."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        values = {s for s in secrets if s and len(s) >= _MIN_SECRET_LENGTH}
+        # Longest first so that a secret containing another is masked whole.
+        ordered = sorted(values, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], extra: Iterable[str] = ()) -> SecretMasker:
+        return cls([v for k, v in env.items() if is_secret_name(k)] + list(extra))
+
+    def __bool__(self) -> bool:
+        return self._pattern is not None
+
+    def mask(self, text: str) -> str:
+        if self._pattern is None or not text:
+            return text
+        return self._pattern.sub(MASK, text)
+
+    def mask_argv(self, argv: Sequence[str]) -> list[str]:
+        """Mask secret values in an argument vector, including values of secret flags."""
+        masked: list[str] = []
+        hide_next = False
+        for arg in argv:
+            if hide_next:
+                masked.append(MASK)
+                hide_next = False
+                continue
+            flag, eq, _ = arg.partition("=")
+            if flag in SECRET_FLAGS:
+                if eq:
+                    masked.append(f"{flag}={MASK}")
+                else:
+                    masked.append(arg)
+                    hide_next = True
+                continue
+            masked.append(self.mask(arg))
+        return masked

@@ -1,0 +1,373 @@
+"""Run the worker: build the command, start vLLM, then serve jobs — or explain the failure.
+
+The order matters for a serverless cold start: vLLM is launched first, and everything the
+worker needs itself (importing runpod, the SDK's system checks) happens while vLLM loads, so
+that the worker adds almost nothing once vLLM is healthy. No job is taken before then: jobs
+stay queued on the platform during the cold start.
+
+Outcomes of a start:
+
+* healthy → the proxy answers jobs; if vLLM dies later, in-flight jobs are answered
+  ``backend_unavailable``, no job is taken any more, and the worker exits non-zero;
+* a failure no restart can fix (configuration, diagnosed vLLM error) → the worker stays up
+  and answers every job with ``startup_error`` (cause and fix), instead of crash-looping;
+* out of memory → one relaunch with a smaller footprint first;
+* anything else (unrecognised failure, timeout) → one job gets ``prestart_failed`` with the
+  log tail, then the worker exits non-zero so the platform retries on a fresh start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.command import VllmCommand, build_command
+from worker.diagnosis import diagnose
+from worker.errors import ConfigError, PrestartFailed, StartupError, WorkerError
+from worker.flags import FlagCatalog, resolve_catalog
+from worker.handler import Proxy, served_model_from_env
+from worker.jobloop import JobLoop, run_fitness_checks, start_heartbeat
+from worker.secrets import SecretMasker
+from worker.settings import Settings
+from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
+
+logger = logging.getLogger("worker")
+
+# Never handed to vLLM: the platform's credentials and job URLs are the worker's alone.
+_WORKER_ONLY_ENV_PREFIXES = ("RUNPOD_WEBHOOK_", "RUNPOD_AI_API_KEY")
+_SMALLER_FOOTPRINT_BATCHED_TOKENS = 8192
+_DEATH_DRAIN_TIMEOUT = 1.5
+_TAIL_FOR_JOBS = 4000
+
+
+@dataclass
+class StartOutcome:
+    """What the prestart phase ended with: ready, or the error every job will get."""
+
+    error: WorkerError | None = None
+    healthy_at: float | None = None
+    tried: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.error is None
+
+
+def vllm_python(executable: str) -> str | None:
+    """The interpreter that runs the `vllm` script (its shebang), to dump the flag catalog."""
+    path = shutil.which(executable)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as script:
+            first = script.readline(512).decode(errors="replace")
+    except OSError:
+        return None
+    if first.startswith("#!"):
+        interpreter = first[2:].strip().split()[0]
+        if os.path.basename(interpreter).startswith("python"):
+            return interpreter
+    return None
+
+
+def load_catalog(settings: Settings, env: Mapping[str, str]) -> FlagCatalog:
+    """The catalog of `vllm serve` flags of the vLLM that will run."""
+    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "worker-vllm"
+    explicit = Path(settings.flag_catalog) if settings.flag_catalog else None
+    catalog, source = resolve_catalog(
+        vllm_python(settings.vllm_executable), cache, explicit, logger.info
+    )
+    logger.info("vLLM flag catalog: %s", source)
+    return catalog
+
+
+def vllm_environment(env: Mapping[str, str], command: VllmCommand) -> dict[str, str]:
+    """The environment of the vLLM process: ours, less the platform's, plus overrides."""
+    child = {
+        name: value
+        for name, value in env.items()
+        if not name.startswith(_WORKER_ONLY_ENV_PREFIXES)
+    }
+    child.update(command.env_overrides)
+    return child
+
+
+def smaller_footprint(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """The environment of the one relaunch after an out-of-memory start, and what changed."""
+    changed = {**env, "ENFORCE_EAGER": "true"}
+    notes = ["ENFORCE_EAGER=true"]
+    current = env.get("MAX_NUM_BATCHED_TOKENS", "").strip()
+    limit = _SMALLER_FOOTPRINT_BATCHED_TOKENS
+    if not current.isdigit() or int(current) == 0 or int(current) > limit:
+        changed["MAX_NUM_BATCHED_TOKENS"] = str(_SMALLER_FOOTPRINT_BATCHED_TOKENS)
+        notes.append(f"MAX_NUM_BATCHED_TOKENS={_SMALLER_FOOTPRINT_BATCHED_TOKENS}")
+    return changed, " and ".join(notes)
+
+
+class Server:
+    """One worker process: prestart, then the job loop, then a clean stop of vLLM."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        env: Mapping[str, str],
+        *,
+        settings_error: ConfigError | None = None,
+    ) -> None:
+        self.settings = settings
+        self._settings_error = settings_error
+        self.env = dict(env)
+        self.masker = SecretMasker.from_env(env)
+        self.vllm: VllmProcess | None = None
+        self.command: VllmCommand | None = None
+        self._started = time.monotonic()
+        self._exit_code = 0
+        self._jobs: JobLoop | None = None
+
+    # -- the whole run -------------------------------------------------------------------
+    def run_serverless(self) -> int:
+        """Prestart, then runpod's job loop on the platform's job API; the exit code."""
+        try:
+            outcome = asyncio.run(self._interruptible(self.prestart(serverless=True)))
+            if outcome is None:
+                return 0
+            return asyncio.run(self._serve(outcome))
+        finally:
+            self.stop_vllm()
+
+    def prestart_only(self) -> StartOutcome | None:
+        """Prestart for the SDK's local API mode (which runs its own loop afterwards)."""
+        return asyncio.run(self._interruptible(self.prestart(serverless=False)))
+
+    def stop_vllm(self) -> None:
+        if self.vllm is not None:
+            self.vllm.stop()
+
+    async def _interruptible(self, work: Any) -> Any:
+        """Run ``work``; SIGTERM/SIGINT cancel it (vLLM is then stopped by the caller)."""
+        task = asyncio.ensure_future(work)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            logger.info("stopped during start-up")
+            return None
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    # -- prestart ------------------------------------------------------------------------
+    def build(self, env: Mapping[str, str]) -> VllmCommand:
+        catalog = load_catalog(self.settings, env)
+        command = build_command(
+            env,
+            catalog,
+            vllm_executable=self.settings.vllm_executable,
+            host="127.0.0.1",
+            port=self.settings.vllm_port,
+        )
+        for warning in command.warnings:
+            logger.warning("%s", self.masker.mask(warning))
+        return command
+
+    async def prestart(self, *, serverless: bool) -> StartOutcome:
+        """Launch vLLM and wait until it is healthy; on failure, say why."""
+        # The SDK import (~1.5 s) and its system checks run while vLLM loads.
+        sdk_ready = asyncio.create_task(self._prepare_sdk(serverless))
+        try:
+            outcome = await self._start_vllm()
+        finally:
+            await sdk_ready
+        return outcome
+
+    async def _prepare_sdk(self, serverless: bool) -> None:
+        await asyncio.to_thread(_import_sdk)
+        if serverless:
+            await run_fitness_checks()
+
+    async def _start_vllm(self) -> StartOutcome:
+        env = self.env
+        outcome = StartOutcome(error=self._settings_error)
+        if outcome.error is not None:
+            return outcome
+        try:
+            command = self.build(env)
+        except ConfigError as exc:
+            outcome.error = exc
+            return outcome
+        while True:
+            self.command = command
+            self.vllm = VllmProcess(
+                command.argv, vllm_environment(env, command), masker=self.masker
+            )
+            logger.info("launching: %s", command.shell_line(self.masker))
+            self.vllm.start()
+            readiness = await wait_until_healthy(
+                self.vllm, self.settings.base_url, timeout=self.settings.startup_timeout
+            )
+            if readiness is Readiness.HEALTHY:
+                outcome.healthy_at = time.monotonic()
+                logger.info(
+                    "vLLM healthy after %.1f s (%s)",
+                    outcome.healthy_at - self.vllm.timeline.launched_at,
+                    self.vllm.timeline.summary(),
+                )
+                return outcome
+            error = self._failed_start(readiness, env, command, outcome.tried)
+            if error is None:  # out of memory: one relaunch with a smaller footprint
+                env, note = smaller_footprint(env)
+                outcome.tried.append(f"a relaunch with {note}")
+                logger.warning("vLLM ran out of memory; relaunching once with %s", note)
+                try:
+                    command = self.build(env)
+                except ConfigError as exc:
+                    outcome.error = exc
+                    return outcome
+                continue
+            outcome.error = error
+            return outcome
+
+    def _failed_start(
+        self, readiness: Readiness, env: Mapping[str, str], command: VllmCommand, tried: list[str]
+    ) -> WorkerError | None:
+        """The error for a failed start, or None when a smaller relaunch should be tried."""
+        assert self.vllm is not None
+        self.vllm.stop()  # also ends engine children that would hold the pipe open
+        self.vllm.drain_output()
+        exit_code = self.vllm.returncode
+        tail = self.vllm.tail()
+        logs = self.masker.mask("\n".join(tail))[-_TAIL_FOR_JOBS:]
+        if readiness is Readiness.TIMED_OUT:
+            return PrestartFailed(
+                f"vLLM was not healthy after {self.settings.startup_timeout:g} s "
+                "(VLLM_STARTUP_TIMEOUT).",
+                exit_code=exit_code,
+                logs=logs,
+            )
+        diagnosis = diagnose(tail, exit_code, env, command.sources)
+        if diagnosis is None:
+            return PrestartFailed(
+                f"vLLM exited with code {exit_code} during start-up for a reason the worker "
+                "does not recognise; see 'logs'. The platform will retry on a new start.",
+                exit_code=exit_code,
+                logs=logs,
+            )
+        if diagnosis.recoverable_by_smaller_footprint and not tried:
+            return None
+        message = diagnosis.message
+        if tried:
+            message += f" Already tried: {', '.join(tried)}."
+        return StartupError(self.masker.mask(message), cause=diagnosis.kind)
+
+    # -- serving jobs --------------------------------------------------------------------
+    async def _serve(self, outcome: StartOutcome) -> int:
+        loop = asyncio.get_running_loop()
+        proxy: Proxy | None = None
+        if outcome.error is None:
+            proxy = Proxy(
+                self.settings,
+                served_model=served_model_from_env(self.env),
+                backend_failure=self._vllm_failure,
+            )
+            handler = proxy.handle
+        else:
+            logger.error("start-up failed: %s", outcome.error.message)
+            handler = self._answer_with(outcome.error)
+
+        jobs = JobLoop(handler, self.settings.max_concurrency)
+        self._jobs = jobs
+
+        def on_signal(sig: signal.Signals) -> None:
+            logger.info("%s: no new jobs; draining %d in flight", sig.name, jobs.jobs_in_flight)
+            jobs.stop(self.settings.drain_timeout)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        if proxy is not None and self.vllm is not None:
+            self.vllm.on_exit(
+                lambda code: loop.call_soon_threadsafe(self._on_vllm_death, code, proxy, jobs)
+            )
+        if isinstance(outcome.error, PrestartFailed):
+            loop.call_later(self.settings.prestart_failed_wait, self._give_up, jobs)
+
+        start_heartbeat()
+        started = time.monotonic()
+        summary = f"taking jobs {started - self._started:.1f} s after the worker started"
+        if outcome.healthy_at is not None:
+            summary += f", {1000 * (started - outcome.healthy_at):.0f} ms after vLLM was healthy"
+        logger.info("%s", summary)
+        try:
+            await jobs.run()
+        finally:
+            if proxy is not None:
+                await proxy.aclose()
+        return self._exit_code
+
+    def local_handler(self, outcome: StartOutcome) -> Any:
+        """The handler for the SDK's local API: the proxy, or the start-up error."""
+        if outcome.error is not None:
+            logger.error("start-up failed: %s", outcome.error.message)
+            return self._answer_with(outcome.error)
+        return Proxy(
+            self.settings,
+            served_model=served_model_from_env(self.env),
+            backend_failure=self._vllm_failure,
+        ).handle
+
+    def _answer_with(self, error: WorkerError) -> Any:
+        """A handler answering every job with ``error`` (only one, for prestart_failed)."""
+        payload = {"error": error.to_json()}
+        once = isinstance(error, PrestartFailed)
+
+        async def answer(job: dict[str, Any]) -> AsyncIterator[Any]:
+            if once and self._jobs is not None:
+                # Stop taking jobs first: the SDK never resumes a generator after an error.
+                self._give_up(self._jobs)
+            yield payload
+
+        return answer
+
+    def _give_up(self, jobs: JobLoop) -> None:
+        self._exit_code = 1
+        jobs.stop(self.settings.drain_timeout)
+
+    def _on_vllm_death(self, code: int, proxy: Proxy, jobs: JobLoop) -> None:
+        if jobs.stopping:
+            return
+        reason = self._death_reason(code)
+        logger.error("%s", reason)
+        proxy.mark_backend_dead(reason)
+        self._exit_code = 1
+        jobs.stop(_DEATH_DRAIN_TIMEOUT)
+
+    def _death_reason(self, code: int | None) -> str:
+        assert self.vllm is not None
+        last = self.masker.mask("\n".join(self.vllm.tail(20)))[-1500:]
+        return f"vLLM exited with code {code} while serving. Last lines:\n{last}"
+
+    async def _vllm_failure(self) -> str | None:
+        """Called by the proxy on a transport error: was it vLLM dying?"""
+        if self.vllm is None:
+            return None
+        exited = asyncio.ensure_future(self.vllm.wait_exit())
+        done, _ = await asyncio.wait({exited}, timeout=0.5)
+        if not done:
+            exited.cancel()
+            return None
+        return self._death_reason(exited.result())
+
+
+def _import_sdk() -> None:
+    # Heavy (~1.5 s): done in a thread while vLLM loads.
+    import runpod.serverless.modules.rp_scale
+    import runpod.serverless.worker  # noqa: F401

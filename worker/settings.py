@@ -1,0 +1,165 @@
+"""The worker's own settings: one typed object, read from the environment once.
+
+These are the knobs of the worker itself (ports, concurrency, timeouts, stream batching).
+Everything else in the environment that names a `vllm serve` flag is vLLM's business and is
+translated by :mod:`worker.command`. The table :data:`SETTINGS` is the single source of
+truth: the parser, the README's settings table and the command translator (which must never
+turn these names into flags) all read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable of the worker: its name, default, parser and meaning."""
+
+    env: str
+    field: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must be 0 or more")
+    return value
+
+
+def _growth_factor(text: str) -> float:
+    value = float(text)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError("must be a TCP port, 1 to 65535")
+    return value
+
+
+def _mode(text: str) -> str:
+    value = text.strip().lower()
+    if value not in {"serverless", "http", "local"}:
+        raise ValueError("must be one of serverless, http, local")
+    return value
+
+
+def _text(text: str) -> str:
+    return text
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("VLLM_PORT", "vllm_port", 8000, _port,
+            "Port of vLLM's API on 127.0.0.1, inside the container (never exposed)."),
+    Setting("VLLM_EXECUTABLE", "vllm_executable", "vllm", _text,
+            "The `vllm` command to run (a name on PATH or a path)."),
+    Setting("VLLM_BASE_URL", "vllm_base_url", "", _text,
+            "Address of vLLM for the handler alone (default http://127.0.0.1:VLLM_PORT); "
+            "must be a loopback address."),
+    Setting("MAX_CONCURRENCY", "max_concurrency", 30, _positive_int,
+            "Jobs this worker runs at once (runpod concurrency_modifier and the HTTP pool)."),
+    Setting("DEFAULT_BATCH_SIZE", "default_batch_size", 50, _positive_int,
+            "Largest number of SSE events per streamed yield (a job's max_batch_size wins)."),
+    Setting("DEFAULT_MIN_BATCH_SIZE", "default_min_batch_size", 1, _positive_int,
+            "Events in the first streamed yield (a job's min_batch_size wins)."),
+    Setting("DEFAULT_BATCH_SIZE_GROWTH_FACTOR", "default_batch_size_growth_factor", 3.0,
+            _growth_factor,
+            "Factor by which the batch grows after each yield (a job's batch_size_growth_factor "
+            "wins)."),
+    Setting("REQUEST_TIMEOUT", "request_timeout", 600.0, _non_negative_float,
+            "Seconds without a byte from vLLM before a job fails with `timeout` "
+            "(a read timeout, not a cap on a long stream)."),
+    Setting("VLLM_STARTUP_TIMEOUT", "startup_timeout", 1200.0, _non_negative_float,
+            "Seconds vLLM may take to become healthy before the start counts as failed."),
+    Setting("WORKER_DRAIN_TIMEOUT", "drain_timeout", 30.0, _non_negative_float,
+            "On SIGTERM, seconds in-flight jobs get to finish before vLLM is stopped."),
+    Setting("PRESTART_FAILED_WAIT", "prestart_failed_wait", 60.0, _non_negative_float,
+            "After an unrecognised start failure, seconds to wait for a job to answer with "
+            "`prestart_failed` before exiting."),
+    Setting("WORKER_MODE", "mode", "", _mode,
+            "serverless, http or local; chosen by start.sh when unset."),
+    Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
+            "Path of the JSON catalog of `vllm serve` flags (written at image build)."),
+    Setting("VLLM_CONFIG_FILE", "config_file", "", _text,
+            "vLLM YAML config passed as --config (default /vllm_config.yaml when it exists)."),
+    Setting("VLLM_EXTRA_ARGS", "extra_args", "", _text,
+            "Arguments appended verbatim (shell-split) to `vllm serve`; they win over all."),
+)
+
+WORKER_SETTING_NAMES: frozenset[str] = frozenset(s.env for s in SETTINGS)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The worker's configuration. Build it with :meth:`from_env`."""
+
+    vllm_port: int = 8000
+    vllm_executable: str = "vllm"
+    vllm_base_url: str = ""
+    max_concurrency: int = 30
+    default_batch_size: int = 50
+    default_min_batch_size: int = 1
+    default_batch_size_growth_factor: float = 3.0
+    request_timeout: float = 600.0
+    startup_timeout: float = 1200.0
+    drain_timeout: float = 30.0
+    prestart_failed_wait: float = 60.0
+    mode: str = ""
+    flag_catalog: str = ""
+    config_file: str = ""
+    extra_args: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Parse every setting present in ``env``; an invalid value is a ConfigError."""
+        values: dict[str, Any] = {}
+        for setting in SETTINGS:
+            raw = env.get(setting.env, "").strip()
+            if not raw:
+                continue
+            try:
+                values[setting.field] = setting.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"{setting.env}={raw!r} is not valid ({exc}); "
+                    f"for example {setting.env}={setting.default or '...'}."
+                ) from None
+        return cls(**values)
+
+    @property
+    def base_url(self) -> str:
+        """Where vLLM listens; always loopback (checked by the handler)."""
+        return self.vllm_base_url.rstrip("/") or f"http://127.0.0.1:{self.vllm_port}"
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_table_matches_dataclass() -> None:
+    # The table and the dataclass must agree, or the README would document a lie.
+    fields = {f.name: f.default for f in dataclasses.fields(Settings)}
+    for setting in SETTINGS:
+        if fields.get(setting.field, object()) != setting.default:
+            raise AssertionError(f"SETTINGS row {setting.env} disagrees with Settings")
+
+
+_check_table_matches_dataclass()

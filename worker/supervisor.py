@@ -1,0 +1,289 @@
+"""Own the lifecycle of one `vllm serve` process.
+
+vLLM starts an API server that spawns engine processes; those outlive their parent for
+seconds after a SIGTERM. So the child runs in its own session (process group), every stop
+signals the whole group, and a stop only returns once the group is empty. Output is read
+by a thread (so it keeps flowing whatever event loop runs, or none), echoed with secrets
+masked, and its last lines are kept for the diagnosis of a failed start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import enum
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+import httpx
+
+from worker.secrets import SecretMasker
+
+logger = logging.getLogger("worker.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+
+# Lines of vLLM's log that mark the phases of a start, for the startup timeline.
+# First match wins; a phase is recorded once.
+_PHASE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("weights loaded", re.compile(r"Loading weights took|Model loading took")),
+    ("engine ready", re.compile(r"init engine .* took|Maximum concurrency for")),
+    ("api listening", re.compile(r"Application startup complete|Starting vLLM (API|server)")),
+)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the worker dies without stopping us."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Readiness(enum.Enum):
+    HEALTHY = "healthy"
+    EXITED = "exited"
+    TIMED_OUT = "timed out"
+
+
+@dataclass
+class StartTimeline:
+    """When each phase of a start was seen, in seconds since the launch."""
+
+    launched_at: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        if phase not in self.phases:
+            self.phases[phase] = (time.monotonic() if at is None else at) - self.launched_at
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.phases.items())
+
+
+class VllmProcess:
+    """One `vllm serve` child process, its output and its process group."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        masker: SecretMasker | None = None,
+        tail_lines: int = 400,
+        echo: IO[str] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self._env = dict(env)
+        self._masker = masker or SecretMasker()
+        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._echo = echo if echo is not None else sys.stdout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pump: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._exit_callbacks: list[Callable[[int], None]] = []
+        self.timeline = StartTimeline()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Launch the child. Call from the main thread (the death signal is per thread)."""
+        self.timeline = StartTimeline(launched_at=time.monotonic())
+        self._proc = subprocess.Popen(
+            self.argv,
+            env=self._env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread()
+            else None,
+        )
+        self._pump = threading.Thread(target=self._read_output, name="vllm-output", daemon=True)
+        self._pump.start()
+        threading.Thread(target=self._watch_exit, name="vllm-exit", daemon=True).start()
+        logger.info("vLLM process started (pid %d)", self._proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the main vLLM process to exit; its code, or None on timeout."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _watch_exit(self) -> None:
+        assert self._proc is not None
+        code = self._proc.wait()
+        with self._lock:
+            callbacks, self._exit_callbacks = self._exit_callbacks, []
+        for callback in callbacks:
+            callback(code)
+
+    def on_exit(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(exit_code)`` (from a thread) when the main process exits."""
+        with self._lock:
+            code = self.returncode
+            if code is None:
+                self._exit_callbacks.append(callback)
+                return
+        callback(code)
+
+    async def wait_exit(self) -> int:
+        """Await the exit of the main vLLM process without blocking the event loop.
+
+        A daemon thread does the blocking wait: a cancelled waiter must not keep the
+        event loop's executor (and so the worker's exit) hanging on a live vLLM.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+
+        def resolve(code: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by then
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(code))
+
+        self.on_exit(resolve)
+        return await future
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after ``grace`` seconds.
+
+        Returns once no process of the group is left, so nothing outlives the worker.
+        """
+        if self._proc is None:
+            return
+        pgid = self._proc.pid  # start_new_session: the child leads its own group
+        if self._group_alive(pgid):
+            logger.info("stopping vLLM (process group %d)", pgid)
+            self._signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while self._group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._group_alive(pgid):
+                logger.warning("vLLM did not stop within %.0fs: killing its process group", grace)
+                self._signal_group(pgid, signal.SIGKILL)
+                while self._group_alive(pgid):
+                    time.sleep(0.05)
+        self._proc.wait()
+        if self._pump is not None:
+            self._pump.join(timeout=2.0)
+
+    def _group_alive(self, pgid: int) -> bool:
+        assert self._proc is not None
+        self._proc.poll()  # reap the leader
+        # Reap engine children of the group that were re-parented to us (we may be PID 1).
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+                pass
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not self._only_zombies(pgid)
+
+    @staticmethod
+    def _only_zombies(pgid: int) -> bool:
+        # A zombie that another process must reap still counts for killpg(…, 0).
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return False
+        return True
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+
+    # -- output ------------------------------------------------------------------------
+    def _read_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for raw in iter(self._proc.stdout.readline, b""):
+            line = self._masker.mask(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+            with self._lock:
+                self._tail.append(line)
+            for phase, pattern in _PHASE_PATTERNS:
+                if phase not in self.timeline.phases and pattern.search(line):
+                    self.timeline.mark(phase)
+            try:
+                self._echo.write(line + "\n")
+                self._echo.flush()
+            except (OSError, ValueError):
+                pass  # a closed console must not stop the draining of vLLM's pipe
+
+    def tail(self, lines: int | None = None) -> list[str]:
+        """The last output lines (masked), oldest first."""
+        with self._lock:
+            kept = list(self._tail)
+        return kept if lines is None else kept[-lines:]
+
+    def tail_text(self, max_chars: int = 4000) -> str:
+        text = "\n".join(self.tail())
+        return text[-max_chars:]
+
+    def drain_output(self, timeout: float = 2.0) -> None:
+        """Wait (bounded) until the output pipe is read to its end."""
+        if self._pump is not None:
+            self._pump.join(timeout)
+
+
+async def wait_until_healthy(
+    process: VllmProcess,
+    base_url: str,
+    *,
+    timeout: float,  # noqa: ASYNC109 - a deadline for polling, not for one await
+    poll_interval: float = 0.25,
+    on_poll: Callable[[], None] | None = None,
+) -> Readiness:
+    """Poll ``GET /health`` until it answers 200, the process exits, or ``timeout`` passes.
+
+    The exit is watched concurrently, so a crash is noticed at once rather than at the
+    next poll.
+    """
+    exited = asyncio.ensure_future(process.wait_exit())
+    deadline = time.monotonic() + timeout
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=2.0, trust_env=False) as client:
+            while True:
+                if exited.done():
+                    return Readiness.EXITED
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await client.get("/health")
+                    if response.status_code == 200:
+                        process.timeline.mark("healthy")
+                        return Readiness.HEALTHY
+                if on_poll is not None:
+                    on_poll()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return Readiness.TIMED_OUT
+                await asyncio.wait({exited}, timeout=min(poll_interval, remaining))
+    finally:
+        if not exited.done():
+            exited.cancel()
