@@ -78,16 +78,15 @@ def vllm_scratch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"TMPDIR": str(base / "tmp"), "VLLM_CACHE_ROOT": str(base / "cache")}
 
 
-@pytest.fixture
-def worker_env(
+@pytest.fixture(scope="session")
+def tiny_env(
     vllm_executable: str, tiny_model: Path, vllm_scratch: dict[str, str]
 ) -> dict[str, str]:
-    """The environment of a worker serving the tiny model on the CPU vLLM."""
+    """The environment of a worker serving the tiny model on the CPU vLLM (no port yet)."""
     return {
         **vllm_scratch,
         "HF_HUB_OFFLINE": "1",
         "VLLM_EXECUTABLE": vllm_executable,
-        "VLLM_PORT": str(free_port()),
         "MODEL_NAME": str(tiny_model),
         "MAX_MODEL_LEN": "512",
         "ENFORCE_EAGER": "true",
@@ -95,6 +94,11 @@ def worker_env(
         "VLLM_STARTUP_TIMEOUT": "300",
         "MAX_CONCURRENCY": "8",
     }
+
+
+@pytest.fixture
+def worker_env(tiny_env: dict[str, str]) -> dict[str, str]:
+    return {**tiny_env, "VLLM_PORT": str(free_port())}
 
 
 @pytest.fixture

@@ -43,6 +43,8 @@ def setup_logging(masker: SecretMasker) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("WORKER_LOG_LEVEL", "INFO").upper())
+    # httpx logs every request at INFO: one line per job and health poll is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def dry_run(settings: Settings, env: Mapping[str, str]) -> int:
@@ -63,6 +65,20 @@ def dry_run(settings: Settings, env: Mapping[str, str]) -> int:
     return 0
 
 
+def exec_http(settings: Settings, env: Mapping[str, str]) -> int:
+    """Replace this process with `vllm serve` on 0.0.0.0:$PORT (one image, two uses)."""
+    from worker.server import Server, vllm_environment
+
+    server = Server(settings, env)
+    try:
+        command = server.build(env, host="0.0.0.0", port=int(env.get("PORT") or 8000))
+    except (ConfigError, ValueError) as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    logger.info("exec: %s", command.shell_line(server.masker))
+    os.execvpe(command.argv[0], command.argv, vllm_environment(env, command))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m worker",
@@ -72,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true",
         help="print the `vllm serve` command built from the environment and exit",
+    )
+    parser.add_argument(
+        "--http", action="store_true",
+        help="exec `vllm serve` on 0.0.0.0:$PORT with the same command (a plain pod)",
     )
     args, sdk_args = parser.parse_known_args(argv)
     env = dict(os.environ)
@@ -94,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings, settings_error = Settings(), exc
     if args.dry_run:
         return dry_run(settings, env)
+    if args.http:
+        return exec_http(settings, env)
 
     from worker.server import Server
 

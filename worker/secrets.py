@@ -21,13 +21,16 @@ SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "--ssl-keyfile-password"})
 # Values this short are too likely to occur by chance in ordinary text to be masked safely.
 _MIN_SECRET_LENGTH = 4
 # Names that look secret but hold no secret.
-_NOT_SECRET = frozenset({"TOKENIZER_NAME", "TOKENIZER", "MAX_TOKENS", "KEY_FILE"})
+_NOT_SECRET = frozenset({"TOKENIZER_NAME", "TOKENIZER", "MAX_TOKENS", "ALLOW_CREDENTIALS"})
+# Parts of names that mean a count or a switch, not a credential (vLLM's
+# LONG_PREFILL_TOKEN_THRESHOLD, DBO_DECODE_TOKEN_THRESHOLD, ...).
+_NOT_SECRET_PARTS = ("TOKENIZER", "TOKENS", "THRESHOLD")
 
 
 def is_secret_name(name: str) -> bool:
     """True when an environment variable of this name holds a secret."""
     upper = name.upper()
-    if upper in _NOT_SECRET or "TOKENIZER" in upper or "TOKENS" in upper:
+    if upper in _NOT_SECRET or any(part in upper for part in _NOT_SECRET_PARTS):
         return False
     return bool(_SECRET_NAME.search(upper))
 

@@ -36,7 +36,7 @@ from worker.flags import FlagCatalog, resolve_catalog
 from worker.handler import Proxy, served_model_from_env
 from worker.jobloop import JobLoop, run_fitness_checks, start_heartbeat
 from worker.secrets import SecretMasker
-from worker.settings import Settings
+from worker.settings import WORKER_SETTING_NAMES, Settings
 from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
 
 logger = logging.getLogger("worker")
@@ -91,10 +91,11 @@ def load_catalog(settings: Settings, env: Mapping[str, str]) -> FlagCatalog:
 
 def vllm_environment(env: Mapping[str, str], command: VllmCommand) -> dict[str, str]:
     """The environment of the vLLM process: ours, less the platform's, plus overrides."""
+    # vLLM warns about every VLLM_* variable it does not know: keep the worker's own out.
     child = {
         name: value
         for name, value in env.items()
-        if not name.startswith(_WORKER_ONLY_ENV_PREFIXES)
+        if not name.startswith(_WORKER_ONLY_ENV_PREFIXES) and name not in WORKER_SETTING_NAMES
     }
     child.update(command.env_overrides)
     return child
@@ -167,14 +168,17 @@ class Server:
                 loop.remove_signal_handler(sig)
 
     # -- prestart ------------------------------------------------------------------------
-    def build(self, env: Mapping[str, str]) -> VllmCommand:
+    def build(
+        self, env: Mapping[str, str], *, host: str = "127.0.0.1", port: int | None = None
+    ) -> VllmCommand:
+        """The `vllm serve` command for ``env``; raises ConfigError when env is wrong."""
         catalog = load_catalog(self.settings, env)
         command = build_command(
             env,
             catalog,
             vllm_executable=self.settings.vllm_executable,
-            host="127.0.0.1",
-            port=self.settings.vllm_port,
+            host=host,
+            port=self.settings.vllm_port if port is None else port,
         )
         for warning in command.warnings:
             logger.warning("%s", self.masker.mask(warning))

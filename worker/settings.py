@@ -63,6 +63,13 @@ def _mode(text: str) -> str:
     return value
 
 
+def _log_level(text: str) -> str:
+    value = text.strip().upper()
+    if value not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR")
+    return value
+
+
 def _text(text: str) -> str:
     return text
 
@@ -95,6 +102,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PRESTART_FAILED_WAIT", "prestart_failed_wait", 60.0, _non_negative_float,
             "After an unrecognised start failure, seconds to wait for a job to answer with "
             "`prestart_failed` before exiting."),
+    Setting("WORKER_LOG_LEVEL", "log_level", "INFO", _log_level,
+            "Level of the worker's own log lines (DEBUG, INFO, WARNING, ERROR)."),
     Setting("WORKER_MODE", "mode", "", _mode,
             "serverless, http or local; chosen by start.sh when unset."),
     Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
@@ -123,6 +132,7 @@ class Settings:
     startup_timeout: float = 1200.0
     drain_timeout: float = 30.0
     prestart_failed_wait: float = 60.0
+    log_level: str = "INFO"
     mode: str = ""
     flag_catalog: str = ""
     config_file: str = ""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up everything and run the worker locally: CPU vLLM serving the tiny test model (or
+# MODEL_NAME), behind the runpod SDK's local API on http://127.0.0.1:${PORT:-8000}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+if [ -z "${MODEL_NAME:-}" ]; then
+  export MODEL_NAME=$PWD/.cache/tiny-model
+  if [ ! -f "$MODEL_NAME/config.json" ]; then
+    .venv-vllm/bin/python scripts/make_tiny_model.py "$MODEL_NAME"
+  fi
+  export MAX_MODEL_LEN=${MAX_MODEL_LEN:-512}
+fi
+export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
+export WORKER_PYTHON=$PWD/.venv/bin/python
+port=${PORT:-8000}
+cat <<MSG
+Starting the worker; once it says "taking jobs", send a job from another shell:
+
+  curl -s http://127.0.0.1:$port/runsync -H 'Content-Type: application/json' \\
+    -d '{"input": {"prompt": "Hello", "sampling_params": {"max_tokens": 8}}}'
+
+MSG
+WORKER_MODE=local exec ./start.sh

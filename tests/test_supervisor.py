@@ -1,0 +1,99 @@
+"""The supervisor on stand-in processes: process groups, output, readiness, secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tests.conftest import free_port
+from tests.worker_process import group_members
+from worker.secrets import SecretMasker
+from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
+
+# A parent that starts a child ignoring SIGTERM, like vLLM's engine outliving its server.
+STUBBORN = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('child up', flush=True); time.sleep(600)"])
+    print("parent up, token hf_SECRETVALUE", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_stop_ends_the_whole_process_group_even_a_child_ignoring_sigterm(
+    tmp_path: Path,
+) -> None:
+    echo = io.StringIO()
+    process = VllmProcess(
+        [sys.executable, "-c", STUBBORN], {}, masker=SecretMasker(["hf_SECRETVALUE"]), echo=echo
+    )
+    process.start()
+    deadline = time.monotonic() + 20
+    while len(process.tail()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.pid is not None
+    assert len(group_members(process.pid)) == 2
+    started = time.monotonic()
+    process.stop(grace=1.0)
+    assert group_members(process.pid) == []
+    assert time.monotonic() - started < 10
+    assert "hf_SECRETVALUE" not in echo.getvalue()
+    assert "parent up, token ***" in process.tail()
+
+
+def test_an_early_exit_is_noticed_at_once_and_keeps_the_last_lines() -> None:
+    script = "import sys\nfor i in range(500): print(f'line {i}')\nsys.exit(3)"
+    process = VllmProcess([sys.executable, "-c", script], {}, tail_lines=400, echo=io.StringIO())
+    process.start()
+    started = time.monotonic()
+    readiness = asyncio.run(
+        wait_until_healthy(process, f"http://127.0.0.1:{free_port()}", timeout=30)
+    )
+    assert readiness is Readiness.EXITED
+    assert time.monotonic() - started < 5
+    process.stop()
+    process.drain_output()
+    assert process.returncode == 3
+    tail = process.tail()
+    assert len(tail) == 400 and tail[-1] == "line 499"
+
+
+def test_healthy_when_health_answers_200() -> None:
+    port = free_port()
+    server = textwrap.dedent(f"""
+        import http.server
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.end_headers()
+        print("Application startup complete.", flush=True)
+        http.server.HTTPServer(("127.0.0.1", {port}), H).serve_forever()
+    """)
+    process = VllmProcess([sys.executable, "-c", server], {}, echo=io.StringIO())
+    process.start()
+    try:
+        readiness = asyncio.run(
+            wait_until_healthy(process, f"http://127.0.0.1:{port}", timeout=30)
+        )
+        assert readiness is Readiness.HEALTHY
+        assert "healthy" in process.timeline.phases
+    finally:
+        process.stop()
+
+
+def test_timeout_when_never_healthy() -> None:
+    process = VllmProcess([sys.executable, "-c", "import time; time.sleep(60)"], {},
+                          echo=io.StringIO())
+    process.start()
+    try:
+        readiness = asyncio.run(
+            wait_until_healthy(process, f"http://127.0.0.1:{free_port()}", timeout=0.6)
+        )
+        assert readiness is Readiness.TIMED_OUT
+    finally:
+        process.stop(grace=1.0)

