@@ -37,6 +37,7 @@ class JobRecord:
     submitted_at: float
     taken_at: float | None = None
     stream: list[Any] = field(default_factory=list)  # parsed bodies of job-stream POSTs
+    stream_times: list[float] = field(default_factory=list)
     done: Any = None  # parsed body of the job-done POST
     done_at: float | None = None
     done_query: dict[str, list[str]] = field(default_factory=dict)
@@ -59,6 +60,14 @@ class JobRecord:
         return None
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A worker that stops mid long-poll closes its socket: not a test failure.
+        pass
+
+
 class FakeJobApi:
     """Serve jobs to a worker on 127.0.0.1 and record what it sends back."""
 
@@ -74,8 +83,7 @@ class FakeJobApi:
         self.refuse_posts = 0  # the next N POSTs answer 503 (the SDK retries)
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._make_handler())
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), self._make_handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -195,6 +203,7 @@ class FakeJobApi:
                 return
             if kind == "job-stream":
                 job.stream.append(body)
+                job.stream_times.append(time.monotonic())
             else:
                 job.done, job.done_at, job.done_query = body, time.monotonic(), query
             self._cond.notify_all()

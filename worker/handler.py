@@ -95,15 +95,24 @@ def served_model_from_env(env: dict[str, str] | os._Environ[str]) -> str | None:
 
 
 class _SseRelay:
-    """Reads an SSE body in the background and hands out batches of whole events."""
+    """Reads an SSE body in the background and hands out batches of whole events.
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+    The reader task owns the response: cancelling it closes the connection, which is how
+    vLLM learns to abort the generation.
+    """
+
+    def __init__(self, response: httpx.Response) -> None:
         self._pending: list[str] = []
         self._pending_events = 0
         self._finished = False
         self._error: BaseException | None = None
         self._wakeup = asyncio.Event()
-        self._reader = asyncio.create_task(self._read(chunks))
+        self._response = response
+        self._reader = asyncio.create_task(self._read(response.aiter_bytes()))
+
+    def abandon(self, _owner: object = None) -> None:
+        """Stop reading and close the response now (callable from a done-callback)."""
+        self._reader.cancel()
 
     async def _read(self, chunks: AsyncIterator[bytes]) -> None:
         buffer = bytearray()
@@ -128,6 +137,7 @@ class _SseRelay:
         finally:
             self._finished = True
             self._wakeup.set()
+            await self._response.aclose()
 
     async def batches(self, policy: BatchPolicy) -> AsyncIterator[str]:
         sizes = policy.sizes()
@@ -285,13 +295,21 @@ class Proxy:
                 await self._read(response)
                 yield _decoded_body(response)
                 return
-            relay = _SseRelay(response.aiter_bytes())
+            relay = _SseRelay(response)
+            # When the SDK stops a job it cancels the job's task, often while that task is
+            # POSTing a previous yield, not inside this generator, which is then left
+            # suspended until garbage collection. Tie the request to the task instead.
+            job_task = asyncio.current_task()
+            if job_task is not None:
+                job_task.add_done_callback(relay.abandon)
             try:
                 async for text in relay.batches(request.batch):
                     yield text
             except httpx.HTTPError as exc:
                 raise await self._transport_error(exc) from None
             finally:
+                if job_task is not None:
+                    job_task.remove_done_callback(relay.abandon)
                 await relay.aclose()
         finally:
             await response.aclose()

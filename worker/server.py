@@ -19,6 +19,7 @@ Outcomes of a start:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -298,9 +299,11 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         if proxy is not None and self.vllm is not None:
-            self.vllm.on_exit(
-                lambda code: loop.call_soon_threadsafe(self._on_vllm_death, code, proxy, jobs)
-            )
+            def on_exit(code: int) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed at our own stop
+                    loop.call_soon_threadsafe(self._on_vllm_death, code, proxy, jobs)
+
+            self.vllm.on_exit(on_exit)
         if isinstance(outcome.error, PrestartFailed):
             loop.call_later(self.settings.prestart_failed_wait, self._give_up, jobs)
 

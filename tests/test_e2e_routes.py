@@ -1,0 +1,193 @@
+"""Every job shape and route through the real SDK loop to a real CPU vLLM.
+
+One worker serves the whole module; each test queues jobs on the fake job API and reads
+what the platform would receive.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from httpx_sse._decoders import SSEDecoder
+
+from tests.conftest import free_port
+from tests.fake_job_api import FakeJobApi, JobRecord
+from tests.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.vllm
+
+
+@dataclass
+class Serving:
+    api: FakeJobApi
+    worker: WorkerProcess
+    vllm_url: str
+
+    def run(self, job_input: Any, timeout: float = 120) -> JobRecord:
+        return self.api.wait_done(self.api.submit(job_input), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def serving(tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+    import sys
+
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("serving")) / "worker.log"
+    with FakeJobApi(health_url=f"http://127.0.0.1:{port}/health") as api:
+        worker = WorkerProcess(
+            [sys.executable, "-m", "worker"],
+            # Room for long generations, so a cancelled one is still running when cancelled.
+            {**api.env(), **tiny_env, "VLLM_PORT": str(port), "MAX_MODEL_LEN": "2048",
+             "KV_CACHE_MEMORY_BYTES": "256M"},
+            log_path=log,
+        )
+        try:
+            worker.wait_for_log("taking jobs", timeout=300)
+            yield Serving(api, worker, f"http://127.0.0.1:{port}")
+        finally:
+            worker.kill()
+
+
+def sse_events(text: str) -> list[dict[str, str]]:
+    decoder = SSEDecoder()
+    events = []
+    for line in text.splitlines():
+        event = decoder.decode(line)
+        if event is not None:
+            events.append({"event": event.event, "data": event.data})
+    return events
+
+
+def streamed_text(record: JobRecord) -> str:
+    assert "error" not in record.done, record.done
+    outputs = record.done["output"]
+    assert outputs == record.outputs  # aggregate == what was streamed, in order
+    assert all(isinstance(chunk, str) for chunk in outputs)
+    return "".join(outputs)
+
+
+def direct_stream(serving: Serving, route: str, body: dict[str, Any]) -> str:
+    with httpx.stream("POST", serving.vllm_url + route, json=body, timeout=60) as response:
+        return "".join(response.iter_text())
+
+
+def model_id(serving: Serving) -> str:
+    return str(httpx.get(serving.vllm_url + "/v1/models").json()["data"][0]["id"])
+
+
+def test_completion_non_stream_and_stream(serving: Serving) -> None:
+    done = serving.run({"prompt": "Hello", "sampling_params": {"max_tokens": 6, "ignore_eos": True}})
+    [body] = done.done["output"]
+    assert body["usage"]["completion_tokens"] == 6
+
+    record = serving.run({"prompt": "Hello", "stream": True,
+                          "sampling_params": {"max_tokens": 6, "ignore_eos": True}})
+    events = sse_events(streamed_text(record))
+    assert events[-1]["data"] == "[DONE]"
+    chunks = [json.loads(e["data"]) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 6  # include_usage was added
+    assert sum(1 for c in chunks if c["choices"]) == 6
+
+
+def test_chat_stream_matches_a_direct_request(serving: Serving) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+            "ignore_eos": True, "stream": True, "model": model_id(serving)}
+    record = serving.run({"openai_route": "/v1/chat/completions", "openai_input": body})
+    relayed = sse_events(streamed_text(record))
+    direct = sse_events(direct_stream(serving, "/v1/chat/completions", body))
+    assert len(relayed) == len(direct)
+    assert relayed[-1]["data"] == direct[-1]["data"] == "[DONE]"
+    shape = [sorted(json.loads(e["data"])) for e in relayed[:-1]]
+    assert shape == [sorted(json.loads(e["data"])) for e in direct[:-1]]
+
+
+def test_responses_api_stream_keeps_event_lines(serving: Serving) -> None:
+    record = serving.run({"openai_route": "/v1/responses",
+                          "openai_input": {"input": "Hi", "max_output_tokens": 6, "stream": True}})
+    text = streamed_text(record)
+    events = sse_events(text)
+    assert "event: response.created" in text
+    assert events[0]["event"] == "response.created"
+    assert events[-1]["event"] == "response.completed"
+    assert {e["event"] for e in events} >= {"response.output_text.delta"}
+
+    done = serving.run({"openai_route": "/v1/responses",
+                        "openai_input": {"input": "Hi", "max_output_tokens": 6}})
+    assert done.done["output"][0]["object"] == "response"
+
+
+def test_anthropic_messages_stream(serving: Serving) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream": True}
+    events = sse_events(streamed_text(serving.run(
+        {"openai_route": "/v1/messages", "openai_input": body})))
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds
+
+    done = serving.run({"openai_route": "/v1/messages", "openai_input": {**body, "stream": False}})
+    assert done.done["output"][0]["type"] == "message"
+
+
+def test_models_tokenize_and_metrics_via_route(serving: Serving) -> None:
+    models = serving.run({"openai_route": "/v1/models"}).done["output"][0]
+    assert models["data"][0]["id"] == model_id(serving)
+    tokens = serving.run({"route": "/tokenize", "body": {"prompt": "Hello world"}})
+    assert tokens.done["output"][0]["count"] >= 2
+    metrics = serving.run({"route": "/metrics"}).done["output"][0]
+    assert isinstance(metrics, str) and "vllm:num_requests_running" in metrics
+
+
+def test_vllm_400_is_a_failed_job_with_its_code_and_message(serving: Serving) -> None:
+    record = serving.run({"prompt": "Hello", "sampling_params": {"max_tokens": 100000}})
+    error = record.error
+    assert error is not None, record.done
+    assert error["type"] == "vllm_error"
+    assert error["code"] == 400
+    assert "max_tokens" in error["message"] or "context" in error["message"]
+    assert isinstance(error["vllm"], dict)
+
+
+def test_invalid_job_is_rejected_with_the_field(serving: Serving) -> None:
+    record = serving.run({"messages": "not a list"})
+    assert record.error == {"type": "invalid_request", "code": 400,
+                            "message": record.error["message"] if record.error else ""}
+    assert "'messages'" in record.error["message"]
+
+
+def metric(serving: Serving, name: str, **labels: str) -> float:
+    """Sum of a vLLM metric's samples whose labels include ``labels``."""
+    text = httpx.get(serving.vllm_url + "/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_cancelling_a_stream_aborts_the_generation(serving: Serving) -> None:
+    tokens_before = metric(serving, "vllm:generation_tokens_total")
+    # 32 sequences of 2000 tokens keep the tiny model busy for many seconds.
+    job = serving.api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
+        "max_tokens": 2000, "ignore_eos": True, "n": 32}})
+    serving.api.wait_stream(job, count=1, timeout=60)
+    assert metric(serving, "vllm:num_requests_running") > 0
+    cancelled_at = time.monotonic()
+    serving.api.cancel(job)
+    while metric(serving, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < cancelled_at + 10, "vLLM still generates after the cancel"
+        time.sleep(0.02)
+    idle_after = time.monotonic() - cancelled_at
+    print(f"vLLM idle {idle_after:.2f} s after the cancel")
+    assert idle_after < 2.0
+    generated = metric(serving, "vllm:generation_tokens_total") - tokens_before
+    assert generated < 32 * 2000 / 2  # stopped early, not run to the end
+    assert "[DONE]" not in "".join(serving.api.jobs[job].outputs)
