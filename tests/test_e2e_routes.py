@@ -35,7 +35,9 @@ class Serving:
 
 
 @pytest.fixture(scope="module")
-def serving(tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
+def serving(
+    tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Serving]:
     import sys
 
     port = free_port()
@@ -83,7 +85,9 @@ def model_id(serving: Serving) -> str:
 
 
 def test_completion_non_stream_and_stream(serving: Serving) -> None:
-    done = serving.run({"prompt": "Hello", "sampling_params": {"max_tokens": 6, "ignore_eos": True}})
+    done = serving.run(
+        {"prompt": "Hello", "sampling_params": {"max_tokens": 6, "ignore_eos": True}}
+    )
     [body] = done.done["output"]
     assert body["usage"]["completion_tokens"] == 6
 

@@ -108,7 +108,7 @@ class _LoopbackClient(httpx.AsyncClient):
 
     _no_cookies = _NoCookies()
 
-    @property  # type: ignore[override]
+    @property
     def cookies(self) -> httpx.Cookies:
         return self._no_cookies
 

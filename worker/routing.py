@@ -142,14 +142,14 @@ def parse_job_input(job_input: object, defaults: BatchPolicy = BatchPolicy()) ->
         body = job_input.get("body")
         if body is not None and not isinstance(body, dict | list):
             raise InvalidRequest("'body' must be a JSON object or array.")
-        method = job_input.get("method")
-        if method is None:
-            method = "POST" if body is not None else "GET"
-        if not isinstance(method, str) or method.upper() not in ALLOWED_METHODS:
+        raw_method = job_input.get("method")
+        if raw_method is None:
+            raw_method = "POST" if body is not None else "GET"
+        if not isinstance(raw_method, str) or raw_method.upper() not in ALLOWED_METHODS:
             raise InvalidRequest(
                 f"'method' must be one of {', '.join(sorted(ALLOWED_METHODS))}."
             )
-        method = method.upper()
+        method = raw_method.upper()
         if method == "GET" and body is not None:
             raise InvalidRequest("A GET request cannot have a 'body'; use POST.")
         return VllmRequest(method, route, body, _stream_flag(body, "body"), batch)

@@ -25,7 +25,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,8 @@ class Server:
         self._started = time.monotonic()
         self._exit_code = 0
         self._jobs: JobLoop | None = None
+        # Seconds vLLM's group gets between SIGTERM and SIGKILL at our stop.
+        self._stop_grace = 15.0
 
     # -- the whole run -------------------------------------------------------------------
     def run_serverless(self) -> int:
@@ -151,9 +153,11 @@ class Server:
 
     def stop_vllm(self) -> None:
         if self.vllm is not None:
-            self.vllm.stop()
+            self.vllm.stop(grace=self._stop_grace)
 
-    async def _interruptible(self, work: Any) -> Any:
+    async def _interruptible(
+        self, work: Coroutine[Any, Any, StartOutcome]
+    ) -> StartOutcome | None:
         """Run ``work``; SIGTERM/SIGINT cancel it (vLLM is then stopped by the caller)."""
         task = asyncio.ensure_future(work)
         loop = asyncio.get_running_loop()
@@ -355,6 +359,8 @@ class Server:
         logger.error("%s", reason)
         proxy.mark_backend_dead(reason)
         self._exit_code = 1
+        # What is left of the group (engine processes) has no server to shut down for.
+        self._stop_grace = 1.0
         jobs.stop(_DEATH_DRAIN_TIMEOUT)
 
     def _death_reason(self, code: int | None) -> str:

@@ -156,9 +156,13 @@ class VllmProcess:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
 
+        def settle(code: int) -> None:
+            if not future.done():
+                future.set_result(code)
+
         def resolve(code: int) -> None:
             with contextlib.suppress(RuntimeError):  # the loop may be closed by then
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(code))
+                loop.call_soon_threadsafe(settle, code)
 
         self.on_exit(resolve)
         return await future

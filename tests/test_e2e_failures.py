@@ -1,0 +1,210 @@
+"""Failed starts, vLLM dying and shutdown, with the real CPU vLLM and the real SDK loop.
+
+Each test reads what a user of the endpoint would get: the FAILED job's error JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fake_job_api import FakeJobApi, JobRecord
+from tests.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.vllm
+
+StartWorker = Callable[..., WorkerProcess]
+PROMPT = {"prompt": "Hello", "sampling_params": {"max_tokens": 4}}
+
+
+def failed_start(
+    job_api: FakeJobApi, start_worker: StartWorker, env: dict[str, str], jobs: int = 1
+) -> tuple[WorkerProcess, list[JobRecord]]:
+    worker = start_worker(env, check_health=False)
+    ids = [job_api.submit(PROMPT) for _ in range(jobs)]
+    return worker, [job_api.wait_done(job_id, timeout=240) for job_id in ids]
+
+
+def startup_error(record: JobRecord) -> str:
+    error = record.error
+    assert error is not None, record.done
+    assert error["type"] == "startup_error", error
+    assert error["code"] is None
+    message: str = error["message"]
+    return message
+
+
+def model_copy(tiny_model: Path, tmp_path: Path, **config: Any) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model, target)
+    data = json.loads((target / "config.json").read_text())
+    data.update(config)
+    (target / "config.json").write_text(json.dumps(data))
+    return target
+
+
+def test_max_model_len_beyond_the_model(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    worker, records = failed_start(
+        job_api, start_worker, {**worker_env, "MAX_MODEL_LEN": "100000"}, jobs=2
+    )
+    for record in records:  # stays up: every job gets the same answer
+        message = startup_error(record)
+        assert "MAX_MODEL_LEN" in message and "2048" in message
+        assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in message
+    assert worker.proc.poll() is None
+    assert worker.vllm_processes_left() == []
+    assert "start-up failed" in worker.log()
+
+
+def test_unknown_flag_names_vllm_extra_args(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    _, [record] = failed_start(
+        job_api, start_worker, {**worker_env, "VLLM_EXTRA_ARGS": "--no-such-flag 3"}
+    )
+    message = startup_error(record)
+    assert "--no-such-flag" in message and "VLLM_EXTRA_ARGS" in message
+
+
+def test_bad_boolean_is_a_config_error_and_vllm_never_launches(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    worker, [record] = failed_start(job_api, start_worker, {**worker_env, "ENFORCE_EAGER": "maybe"})
+    message = startup_error(record)
+    assert "ENFORCE_EAGER" in message and "maybe" in message and "ENFORCE_EAGER=true" in message
+    assert worker.vllm_pids() == []
+
+
+def test_model_directory_that_does_not_exist(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    missing = str(tmp_path / "no-such-model")
+    _, [record] = failed_start(job_api, start_worker, {**worker_env, "MODEL_NAME": missing})
+    message = startup_error(record)
+    assert "MODEL_NAME" in message and missing in message
+
+
+def test_unknown_architecture(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
+    tiny_model: Path, tmp_path: Path,
+) -> None:
+    model = model_copy(tiny_model, tmp_path, architectures=["FooBarForCausalLM"])
+    _, [record] = failed_start(job_api, start_worker, {**worker_env, "MODEL_NAME": str(model)})
+    message = startup_error(record)
+    assert "FooBarForCausalLM" in message
+    assert "LlamaForCausalLM" not in message  # not vLLM's list of hundreds
+
+
+def test_model_needing_custom_code(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
+    tiny_model: Path, tmp_path: Path,
+) -> None:
+    model = model_copy(
+        tiny_model, tmp_path, model_type="custom-tiny",
+        auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                  "AutoModelForCausalLM": "modeling_custom.CustomModel"},
+    )
+    _, [record] = failed_start(job_api, start_worker, {**worker_env, "MODEL_NAME": str(model)})
+    assert "TRUST_REMOTE_CODE=true" in startup_error(record)
+
+
+def test_kv_cache_too_small_relaunches_once_then_explains(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    worker, [record] = failed_start(
+        job_api, start_worker, {**worker_env, "KV_CACHE_MEMORY_BYTES": "200000"}
+    )
+    message = startup_error(record)
+    assert "MAX_MODEL_LEN" in message
+    assert "Already tried: a relaunch with" in message and "ENFORCE_EAGER=true" in message
+    assert len(worker.vllm_pids()) == 2  # the first start and the one relaunch
+
+
+def test_memory_utilization_too_high_for_the_cpu_backend(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    env = {k: v for k, v in worker_env.items() if k != "KV_CACHE_MEMORY_BYTES"}
+    _, [record] = failed_start(job_api, start_worker, {**env, "GPU_MEMORY_UTILIZATION": "0.99"})
+    assert "GPU_MEMORY_UTILIZATION" in startup_error(record)
+
+
+def test_hub_id_offline_and_not_cached(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**worker_env, "MODEL_NAME": "no-such-org/no-such-model",
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    _, [record] = failed_start(job_api, start_worker, env)
+    message = startup_error(record)
+    assert "HF_HUB_OFFLINE" in message and "no-such-org/no-such-model" in message
+
+
+def test_unrecognised_failure_answers_one_job_then_exits(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    fake = tmp_path / "vllm"
+    fake.write_text(
+        "#!/bin/sh\necho 'something odd happened'\necho 'token hf_S3CRETVALUE'\nexit 1\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**worker_env, "VLLM_EXECUTABLE": str(fake), "HF_TOKEN": "hf_S3CRETVALUE"}
+    worker, [record] = failed_start(job_api, start_worker, env)
+    error = record.error
+    assert error is not None and error["type"] == "prestart_failed", record.done
+    assert error["exit_code"] == 1
+    assert "something odd happened" in error["logs"]
+    assert "hf_S3CRETVALUE" not in json.dumps(record.done)
+    assert worker.wait(30) != 0
+    assert "hf_S3CRETVALUE" not in worker.log()
+    assert len(job_api.taken()) == 1
+
+
+def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    worker = start_worker(worker_env)
+    worker.wait_for_log("taking jobs", timeout=240)
+    job = job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
+        "max_tokens": 480, "ignore_eos": True, "n": 32}})
+    job_api.wait_stream(job, count=1, timeout=60)
+    [api_server] = worker.vllm_pids()
+    killed_at = time.monotonic()
+    os.kill(api_server, signal.SIGKILL)
+    code = worker.wait(30)
+    exited_after = time.monotonic() - killed_at
+    record = job_api.wait_done(job, timeout=5)
+    assert record.error is not None and record.error["type"] == "backend_unavailable"
+    assert "exited with code -9" in record.error["message"]
+    assert code != 0
+    assert exited_after < 2.5, exited_after
+    assert worker.vllm_processes_left() == []
+
+
+def test_sigterm_drains_in_flight_jobs_then_stops_vllm(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    worker = start_worker(worker_env)
+    worker.wait_for_log("taking jobs", timeout=240)
+    jobs = [job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
+        "max_tokens": 300, "ignore_eos": True, "n": 8}}) for _ in range(4)]
+    for job in jobs:
+        job_api.wait_stream(job, count=1, timeout=60)
+    worker.signal(signal.SIGTERM)
+    late = job_api.submit(PROMPT)
+    assert worker.wait(60) == 0
+    for job in jobs:
+        record = job_api.wait_done(job, timeout=5)
+        assert "error" not in record.done
+        assert "".join(record.outputs).endswith("data: [DONE]\n\n")
+    assert job_api.jobs[late].taken_at is None
+    assert worker.vllm_processes_left() == []
