@@ -444,8 +444,8 @@ CASES = [
         "repo-not-found",
         fixture("repo_not_found.log"),
         "model_not_found",
-        cause_has=("Qwen/Qwen3-0.6B-Instrukt", "is not a local folder"),
-        fix_has=("MODEL_NAME", "HF_TOKEN is not set"),
+        cause_has=("Qwen/Qwen3-0.6B-Instrukt", "is not a local folder", "HF_TOKEN is not set"),
+        fix_has=("MODEL_NAME", "full `org/repo` id"),
         sources=MODEL_SOURCES,
     ),
     Case(
@@ -522,7 +522,7 @@ CASES = [
         "gated-with-a-token-lacking-access",
         fixture("gated_model.log"),
         "gated_model",
-        cause_has=("the token in HF_TOKEN has no access",),
+        cause_has=("the account of the token in HF_TOKEN has not been granted access",),
         fix_has=("HF_TOKEN",),
         env={"HF_TOKEN": "hf_abc"},
     ),
@@ -830,3 +830,17 @@ def test_every_fixture_is_used() -> None:
     used = {path.name for path in FAILURE_LOGS.glob("*.log")}
     source = Path(__file__).read_text(encoding="utf-8")
     assert {name for name in used if f'"{name}"' not in source} == set()
+
+
+def test_hub_failures_are_worded_as_the_preflight_words_them() -> None:
+    """One place builds the message of a hub failure, before a start or after a crash."""
+    from worker.preflight import not_found_message
+
+    tail = [
+        "(APIServer pid=1) ERROR 11-30 12:00:00 [api_server.py:1] Error",
+        "huggingface_hub.errors.RepositoryNotFoundError: 404 Client Error. "
+        "Repository Not Found for url: https://huggingface.co/api/models/acme/missing/revision/main.",
+    ]
+    diagnosis = diagnose(tail, 1, {"MODEL_NAME": "acme/missing"})
+    assert diagnosis is not None
+    assert diagnosis.fix == not_found_message("acme/missing", "MODEL_NAME").fix

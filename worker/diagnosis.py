@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from worker.command import ALIASES
+from worker.preflight import (
+    gated_message,
+    invalid_token_message,
+    not_found_message,
+    revision_not_found_message,
+)
 
 __all__ = ["Diagnosis", "diagnose"]
 
@@ -671,30 +677,32 @@ def _explain_model_not_found(
     fix = f"Check {variable} (namespace/name, e.g. Qwen/Qwen3-0.6B, spelled as on huggingface.co)"
     if repo is not None and match["kind"] is not None:
         return f"'{repo}' is not a valid Hugging Face repo id (vLLM: {quote}).", f"{fix}."
-    name = f" {repo}" if repo else ""
-    cause = f"Hugging Face has no model{name} that this worker can read (vLLM: {quote})."
-    token = "." if context.env.get("HF_TOKEN", "").strip() else " (HF_TOKEN is not set)."
-    return cause, f"{fix}; if the repo is private, set HF_TOKEN to a token that can read it{token}"
+    tokenizer = context.env.get("TOKENIZER_NAME", "").strip()
+    message = not_found_message(
+        repo,
+        variable,
+        role="tokenizer" if tokenizer and repo == tokenizer else "model",
+        token_set=bool(context.env.get("HF_TOKEN", "").strip()),
+        evidence=f"vLLM: {quote}",
+    )
+    return message.cause, message.fix
 
 
 def _explain_gated(match: re.Match[str], raised: _Raised, context: _Context) -> tuple[str, str]:
     repo = _failing_repo(context)
-    name = repo or "the model"
     reason = next(
         (m[0] for p in _GATED_REASONS for r in context.chain if (m := p.search(r.message))),
         _sentences(raised.message, 1),
     )
-    cause = (
-        f"{name} is gated or private and {_with_token_hint(context)} "
-        f"(Hugging Face: {_quote(reason)})."
+    tokenizer = context.env.get("TOKENIZER_NAME", "").strip()
+    message = gated_message(
+        repo,
+        "tokenizer" if tokenizer and repo == tokenizer else "model",
+        variable=_repo_variable(repo, context),
+        token_set=bool(context.env.get("HF_TOKEN", "").strip()),
+        evidence=f"Hugging Face: {_quote(reason)}",
     )
-    page = f"https://huggingface.co/{repo}" if repo else "the model's page on huggingface.co"
-    fix = (
-        f"Request access on {page} with your Hugging Face account and, once granted, set "
-        f"HF_TOKEN to a read token of that account (fine-grained tokens need access to public "
-        f"gated repos); or choose another model in {_repo_variable(repo, context)}."
-    )
-    return cause, fix
+    return message.cause, message.fix
 
 
 _GATED_REASONS = (
@@ -707,12 +715,8 @@ _GATED_REASONS = (
 def _explain_invalid_token(
     match: re.Match[str], raised: _Raised, context: _Context
 ) -> tuple[str, str]:
-    cause = f"Hugging Face rejected the token in HF_TOKEN ({match[0]})."
-    fix = (
-        "Set HF_TOKEN to a valid read token (https://huggingface.co/settings/tokens), or unset "
-        "it for a public model."
-    )
-    return cause, fix
+    message = invalid_token_message(evidence=f"Hugging Face: {match[0]}")
+    return message.cause, message.fix
 
 
 def _explain_revision(match: re.Match[str], raised: _Raised, context: _Context) -> tuple[str, str]:
@@ -720,14 +724,13 @@ def _explain_revision(match: re.Match[str], raised: _Raised, context: _Context) 
     revision = match["revision"] or context.env.get("MODEL_REVISION", "").strip() or "requested"
     tokenizer = context.env.get("TOKENIZER_NAME", "").strip()
     flag = "--tokenizer-revision" if tokenizer and repo == tokenizer else "--revision"
-    where = f" of {repo}" if repo else ""
-    reason = _quote(_sentences(raised.message, 1))
-    cause = f"The revision {revision}{where} does not exist (vLLM: {reason})."
-    fix = (
-        f"Set {_variable(flag, context)} to an existing branch, tag or commit{where}, or leave "
-        "it unset for the default branch."
+    message = revision_not_found_message(
+        repo,
+        revision,
+        variable=_variable(flag, context),
+        evidence=f"vLLM: {_quote(_sentences(raised.message, 1))}",
     )
-    return cause, fix
+    return message.cause, message.fix
 
 
 def _explain_offline(match: re.Match[str], raised: _Raised, context: _Context) -> tuple[str, str]:

@@ -36,9 +36,11 @@ from worker.errors import ConfigError, PrestartFailed, StartupError, WorkerError
 from worker.flags import FlagCatalog, resolve_catalog
 from worker.handler import Proxy, served_model_from_env
 from worker.jobloop import JobLoop, run_fitness_checks, start_heartbeat
+from worker.preflight import preflight
 from worker.secrets import SecretMasker
 from worker.settings import WORKER_SETTING_NAMES, Settings
 from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
+from worker.volume_cache import choose_cache_root, without_volume_cache
 
 logger = logging.getLogger("worker")
 
@@ -100,6 +102,21 @@ def vllm_environment(env: Mapping[str, str], command: VllmCommand) -> dict[str, 
     }
     child.update(command.env_overrides)
     return child
+
+
+def _missing_baked_model(command: VllmCommand) -> StartupError | None:
+    """A model baked into the image must be there: the hub is never asked for it."""
+    source = command.sources.get("--model", "")
+    model = command.argv[2] if len(command.argv) > 2 else ""
+    if "(baked " not in source or not model.startswith("/") or os.path.exists(model):
+        return None
+    return StartupError(
+        f"The model baked into the image is missing: {model} does not exist ({source}). "
+        "Fix: rebuild the image with the MODEL_NAME build argument (and HF_TOKEN as a build "
+        "secret for a gated model), or remove /local_model_args.json to load MODEL_NAME "
+        "at start.",
+        cause="baked_model_missing",
+    )
 
 
 def smaller_footprint(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
@@ -205,51 +222,112 @@ class Server:
             await run_fitness_checks()
 
     async def _start_vllm(self) -> StartOutcome:
-        env = self.env
         outcome = StartOutcome(error=self._settings_error)
         if outcome.error is not None:
             return outcome
+        env = await self._with_volume_cache(self.env)
         try:
             command = self.build(env)
         except ConfigError as exc:
             outcome.error = exc
             return outcome
-        while True:
-            self.command = command
-            self.vllm = VllmProcess(
-                command.argv, vllm_environment(env, command), masker=self.masker
-            )
-            logger.info("launching: %s", command.shell_line(self.masker))
-            self.vllm.start()
-            readiness = await wait_until_healthy(
-                self.vllm, self.settings.base_url, timeout=self.settings.startup_timeout
-            )
-            if readiness is Readiness.HEALTHY:
-                outcome.healthy_at = time.monotonic()
-                logger.info(
-                    "vLLM healthy after %.1f s (%s)",
-                    outcome.healthy_at - self.vllm.timeline.launched_at,
-                    self.vllm.timeline.summary(),
-                )
-                return outcome
-            error = self._failed_start(readiness, env, command, outcome.tried)
-            if error is None:  # out of memory: one relaunch with a smaller footprint
-                env, note = smaller_footprint(env)
+        outcome.error = _missing_baked_model(command)
+        if outcome.error is not None:
+            return outcome
+        # The hub pre-flight runs beside vLLM's start: it costs nothing when all is well,
+        # and ends a start that cannot work in seconds instead of minutes.
+        hub_check = asyncio.create_task(self._preflight(env))
+        try:
+            while True:
+                self._launch(command, env)
+                result = await self._wait_ready(hub_check)
+                if isinstance(result, WorkerError):
+                    outcome.error = result
+                    return outcome
+                if result is Readiness.HEALTHY:
+                    outcome.healthy_at = time.monotonic()
+                    return outcome
+                failure = self._failed_start(result, env, command, outcome.tried)
+                if isinstance(failure, WorkerError):
+                    outcome.error = failure
+                    return outcome
+                env, note = failure
                 outcome.tried.append(f"a relaunch with {note}")
-                logger.warning("vLLM ran out of memory; relaunching once with %s", note)
+                logger.warning("relaunching vLLM once with %s", note)
                 try:
                     command = self.build(env)
                 except ConfigError as exc:
                     outcome.error = exc
                     return outcome
-                continue
-            outcome.error = error
-            return outcome
+        finally:
+            hub_check.cancel()
+
+    def _launch(self, command: VllmCommand, env: Mapping[str, str]) -> None:
+        self.command = command
+        self.vllm = VllmProcess(command.argv, vllm_environment(env, command), masker=self.masker)
+        logger.info("launching: %s", command.shell_line(self.masker))
+        self.vllm.start()
+
+    async def _wait_ready(
+        self, hub_check: asyncio.Task[StartupError | None]
+    ) -> Readiness | WorkerError:
+        """vLLM's readiness, unless the hub pre-flight proves first that it cannot start."""
+        assert self.vllm is not None
+        health = asyncio.ensure_future(
+            wait_until_healthy(self.vllm, self.settings.base_url,
+                               timeout=self.settings.startup_timeout)
+        )
+        waiting: set[asyncio.Future[Any]] = {health, hub_check}
+        while True:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if hub_check in done:
+                waiting.discard(hub_check)
+                if not hub_check.cancelled() and (error := hub_check.result()) is not None:
+                    health.cancel()
+                    self.vllm.stop(grace=2.0)
+                    return error
+            if health in done:
+                readiness = health.result()
+                if readiness is Readiness.HEALTHY:
+                    logger.info(
+                        "vLLM healthy after %.1f s (%s)",
+                        time.monotonic() - self.vllm.timeline.launched_at,
+                        self.vllm.timeline.summary(),
+                    )
+                return readiness
+
+    async def _preflight(self, env: Mapping[str, str]) -> StartupError | None:
+        """Ask the hub whether the model can be had; a definite no is a StartupError."""
+        try:
+            result = await preflight(env, timeout=self.settings.hub_check_timeout)
+        except Exception as exc:  # a bug here must never stop a start that would work
+            logger.warning("hub pre-flight skipped: %s", exc)
+            return None
+        for warning in result.warnings:
+            logger.warning("hub pre-flight: %s", self.masker.mask(warning))
+        if result.checked:
+            logger.info("startup: hub pre-flight of %s took %.1f s",
+                        ", ".join(result.checked), result.seconds)
+        return result.startup_error
+
+    async def _with_volume_cache(self, env: Mapping[str, str]) -> dict[str, str]:
+        """Point vLLM's cache at the network volume when it is usable, so it survives."""
+        choice = await asyncio.to_thread(
+            choose_cache_root,
+            env,
+            base_path=self.settings.base_path,
+            min_free_bytes=int(self.settings.volume_cache_min_free_gib * (1 << 30)),
+        )
+        if choice.path is not None:
+            logger.info("vLLM cache on the volume: VLLM_CACHE_ROOT=%s", choice.path)
+        elif choice.reason:
+            logger.info("vLLM cache stays local: %s", choice.reason)
+        return {**env, **choice.env}
 
     def _failed_start(
         self, readiness: Readiness, env: Mapping[str, str], command: VllmCommand, tried: list[str]
-    ) -> WorkerError | None:
-        """The error for a failed start, or None when a smaller relaunch should be tried."""
+    ) -> WorkerError | tuple[dict[str, str], str]:
+        """The error for a failed start, or the environment of the one relaunch worth a try."""
         assert self.vllm is not None
         self.vllm.stop()  # also ends engine children that would hold the pipe open
         self.vllm.drain_output()
@@ -271,8 +349,12 @@ class Server:
                 exit_code=exit_code,
                 logs=logs,
             )
-        if diagnosis.recoverable_by_smaller_footprint and not tried:
-            return None
+        if not tried:
+            if diagnosis.recoverable_by_smaller_footprint:
+                return smaller_footprint(env)
+            local = without_volume_cache(env, base_path=self.settings.base_path)
+            if diagnosis.kind == "disk_full" and local != dict(env):
+                return local, "vLLM's cache on the local disk instead of the volume"
         message = diagnosis.message
         if tried:
             message += f" Already tried: {', '.join(tried)}."
@@ -293,7 +375,7 @@ class Server:
             logger.error("start-up failed: %s", outcome.error.message)
             handler = self._answer_with(outcome.error)
 
-        jobs = JobLoop(handler, self.settings.max_concurrency)
+        jobs = JobLoop(self._noting_first_job(handler), self.settings.max_concurrency)
         self._jobs = jobs
 
         def on_signal(sig: signal.Signals) -> None:
@@ -323,6 +405,23 @@ class Server:
             if proxy is not None:
                 await proxy.aclose()
         return self._exit_code
+
+    def _noting_first_job(self, handler: Any) -> Any:
+        """The handler, logging when the first job arrives: the end of the cold start."""
+        first = True
+
+        async def handle(job: dict[str, Any]) -> AsyncIterator[Any]:
+            nonlocal first
+            if first:
+                first = False
+                logger.info(
+                    "startup: first job %.1f s after the worker started",
+                    time.monotonic() - self._started,
+                )
+            async for item in handler(job):
+                yield item
+
+        return handle
 
     def local_handler(self, outcome: StartOutcome) -> Any:
         """The handler for the SDK's local API: the proxy, or the start-up error."""

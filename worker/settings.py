@@ -102,6 +102,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PRESTART_FAILED_WAIT", "prestart_failed_wait", 60.0, _non_negative_float,
             "After an unrecognised start failure, seconds to wait for a job to answer with "
             "`prestart_failed` before exiting."),
+    Setting("HUB_CHECK_TIMEOUT", "hub_check_timeout", 15.0, _non_negative_float,
+            "Seconds the pre-flight check of the model, tokenizer and LoRA repos on Hugging "
+            "Face may take (exists, access, revision); no answer in time only logs a warning; "
+            "0 turns the check off."),
+    Setting("BASE_PATH", "base_path", "/runpod-volume", _text,
+            "Where a network volume is mounted; vLLM's compile cache goes to "
+            "BASE_PATH/vllm-cache when it is writable and has room."),
+    Setting("VOLUME_CACHE_MIN_FREE_GIB", "volume_cache_min_free_gib", 1.0, _non_negative_float,
+            "Free space (GiB) the volume needs for vLLM's cache to go there; set "
+            "VLLM_CACHE_ROOT yourself to choose another place."),
     Setting("WORKER_LOG_LEVEL", "log_level", "INFO", _log_level,
             "Level of the worker's own log lines (DEBUG, INFO, WARNING, ERROR)."),
     Setting("WORKER_MODE", "mode", "", _mode,
@@ -132,6 +142,9 @@ class Settings:
     startup_timeout: float = 1200.0
     drain_timeout: float = 30.0
     prestart_failed_wait: float = 60.0
+    hub_check_timeout: float = 15.0
+    base_path: str = "/runpod-volume"
+    volume_cache_min_free_gib: float = 1.0
     log_level: str = "INFO"
     mode: str = ""
     flag_catalog: str = ""

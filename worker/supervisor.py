@@ -65,7 +65,9 @@ class StartTimeline:
 
     def mark(self, phase: str, at: float | None = None) -> None:
         if phase not in self.phases:
-            self.phases[phase] = (time.monotonic() if at is None else at) - self.launched_at
+            seconds = (time.monotonic() if at is None else at) - self.launched_at
+            self.phases[phase] = seconds
+            logger.info("startup: %s %.1f s after the vLLM launch", phase, seconds)
 
     def summary(self) -> str:
         return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.phases.items())
