@@ -382,6 +382,9 @@ class Server:
             logger.info("%s: no new jobs; draining %d in flight", sig.name, jobs.jobs_in_flight)
             jobs.stop(self.settings.drain_timeout)
 
+        # The ping process is forked here: it must inherit the default SIGTERM action, or
+        # the SDK's exit-time terminate() cannot stop it and the worker never exits.
+        start_heartbeat()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         if proxy is not None and self.vllm is not None:
@@ -393,7 +396,6 @@ class Server:
         if isinstance(outcome.error, PrestartFailed):
             loop.call_later(self.settings.prestart_failed_wait, self._give_up, jobs)
 
-        start_heartbeat()
         started = time.monotonic()
         summary = f"taking jobs {started - self._started:.1f} s after the worker started"
         if outcome.healthy_at is not None:
