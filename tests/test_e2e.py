@@ -42,3 +42,27 @@ def test_prompt_and_messages_jobs_get_real_vllm_answers(
     assert job_api.take_requests, "the SDK never asked for a job"
     assert job_api.health_violations == []
     assert "taking jobs" in worker.log()
+
+
+def test_a_realistic_environment_is_accepted_by_vllm(
+    job_api: FakeJobApi, start_worker, worker_env: dict[str, str]
+) -> None:
+    """Flags of every origin (variable, alias, extra args) in one command vLLM accepts."""
+    env = {
+        **worker_env,
+        "MAX_MODEL_LEN": "256",
+        "ENFORCE_EAGER": "false",  # torch.compile on the CPU: the slow path, for real
+        "ENABLE_PREFIX_CACHING": "true",
+        "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "tiny-chat",
+        "VLLM_EXTRA_ARGS": "--max-num-seqs 4 --seed 7",
+    }
+    worker = start_worker(env)
+    record = job_api.wait_done(job_api.submit({
+        "messages": [{"role": "user", "content": "Hi"}], "sampling_params": {"max_tokens": 3}}),
+        timeout=400)
+    assert "error" not in record.done, record.done
+    assert record.done["output"][0]["model"] == "tiny-chat"
+    launch = next(line for line in worker.log().splitlines() if "launching:" in line)
+    for flag in ("--no-enforce-eager", "--enable-prefix-caching", "--served-model-name tiny-chat",
+                 "--max-num-seqs 4 --seed 7", "--max-model-len 256"):
+        assert flag in launch, (flag, launch)

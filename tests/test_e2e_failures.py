@@ -208,3 +208,28 @@ def test_sigterm_drains_in_flight_jobs_then_stops_vllm(
         assert "".join(record.outputs).endswith("data: [DONE]\n\n")
     assert job_api.jobs[late].taken_at is None
     assert worker.vllm_processes_left() == []
+
+
+def test_a_stalled_vllm_fails_jobs_with_timeout_and_nothing_hangs(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+) -> None:
+    worker = start_worker({**worker_env, "REQUEST_TIMEOUT": "3"})
+    worker.wait_for_log("taking jobs", timeout=240)
+    warm = job_api.wait_done(job_api.submit(PROMPT), timeout=60)
+    assert "error" not in warm.done
+    [leader] = worker.vllm_pids()
+    os.killpg(leader, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        jobs = [job_api.submit(PROMPT), job_api.submit({**PROMPT, "stream": True})]
+        records = [job_api.wait_done(job, timeout=30) for job in jobs]
+        waited = time.monotonic() - started
+    finally:
+        os.killpg(leader, signal.SIGCONT)
+    for record in records:
+        assert record.error is not None and record.error["type"] == "timeout", record.done
+        assert record.error["code"] == 504 and "REQUEST_TIMEOUT" in record.error["message"]
+    assert 3 <= waited < 15
+    assert worker.proc.poll() is None  # a stall is not a death: the worker stays
+    after = job_api.wait_done(job_api.submit(PROMPT), timeout=60)
+    assert "error" not in after.done
