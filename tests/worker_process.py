@@ -11,6 +11,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from worker.supervisor import group_members
+
 ROOT = Path(__file__).resolve().parents[1]
 # Variables of this machine that would change what the worker does under test.
 _SCRUB = ("RUNPOD_", "VLLM_", "HF_", "MODEL_NAME", "MAX_", "ENFORCE_EAGER", "KV_CACHE")
@@ -85,18 +87,3 @@ class WorkerProcess:
                 os.killpg(pgid, signal.SIGKILL)
         self._log.close()
 
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members

@@ -50,6 +50,26 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group, from /proc.
+
+    A zombie whose reaper is another process still answers ``killpg(pgid, 0)``: it is not
+    a process left running, so it does not count.
+    """
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
 class Readiness(enum.Enum):
     HEALTHY = "healthy"
     EXITED = "exited"
@@ -205,22 +225,7 @@ class VllmProcess:
             return False
         except PermissionError:
             return True
-        return not self._only_zombies(pgid)
-
-    @staticmethod
-    def _only_zombies(pgid: int) -> bool:
-        # A zombie that another process must reap still counts for killpg(…, 0).
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return False
-        return True
+        return bool(group_members(pgid))
 
     @staticmethod
     def _signal_group(pgid: int, sig: int) -> None:
