@@ -139,6 +139,8 @@ def _run_local(server: Server, sdk_args: list[str]) -> int:
             "concurrency_modifier": lambda _: server.settings.max_concurrency,
         }
         sys.argv = [sys.argv[0], *sdk_args]
+        logger.info("taking jobs through the runpod SDK's local mode (%s)",
+                    " ".join(sdk_args) or "--test_input / default")
         runpod.serverless.start(config)
         return 0 if outcome.ready else 1
     finally:
