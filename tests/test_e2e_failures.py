@@ -174,17 +174,25 @@ def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
 ) -> None:
     worker = start_worker(worker_env)
     worker.wait_for_log("taking jobs", timeout=240)
-    job = job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
-        "max_tokens": 480, "ignore_eos": True, "n": 32}})
-    job_api.wait_stream(job, count=1, timeout=60)
+    jobs = [
+        job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
+            "max_tokens": 480, "ignore_eos": True, "n": 16}}),
+        job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
+            "max_tokens": 480, "ignore_eos": True, "n": 16}}),
+        job_api.submit({"prompt": "Hello", "sampling_params": {
+            "max_tokens": 480, "ignore_eos": True, "n": 16}}),
+    ]
+    for job in jobs[:2]:
+        job_api.wait_stream(job, count=1, timeout=60)
     [api_server] = worker.vllm_pids()
     killed_at = time.monotonic()
     os.kill(api_server, signal.SIGKILL)
     code = worker.wait(30)
     exited_after = time.monotonic() - killed_at
-    record = job_api.wait_done(job, timeout=5)
-    assert record.error is not None and record.error["type"] == "backend_unavailable"
-    assert "exited with code -9" in record.error["message"]
+    for job in jobs:  # streaming or not, every job in flight gets an answer
+        record = job_api.wait_done(job, timeout=5)
+        assert record.error is not None and record.error["type"] == "backend_unavailable"
+        assert "exited with code -9" in record.error["message"]
     assert code != 0
     assert exited_after < 2.5, exited_after
     assert worker.vllm_processes_left() == []
