@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -107,8 +108,12 @@ def job_api() -> Iterator[FakeJobApi]:
         yield api
 
 
+class StartWorker(Protocol):
+    def __call__(self, env: dict[str, str], *, check_health: bool = True) -> WorkerProcess: ...
+
+
 @pytest.fixture
-def start_worker(job_api: FakeJobApi, tmp_path: Path) -> Iterator[object]:
+def start_worker(job_api: FakeJobApi, tmp_path: Path) -> Iterator[StartWorker]:
     """Start ``python -m worker`` against the fake job API; every worker is stopped after."""
     started: list[WorkerProcess] = []
 

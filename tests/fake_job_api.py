@@ -97,8 +97,8 @@ class FakeJobApi:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        port = self._server.server_address[1]
+        return f"http://127.0.0.1:{port}"
 
     def env(self, worker_id: str = "test-worker") -> dict[str, str]:
         base = self.url
@@ -180,7 +180,7 @@ class FakeJobApi:
         with self._cond:
             while not self.queue and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
-            taken = []
+            taken: list[dict[str, Any]] = []
             while self.queue and len(taken) < limit:
                 job = self.jobs[self.queue.pop(0)]
                 job.taken_at = time.monotonic()

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi
 
 pytestmark = pytest.mark.vllm
 
 
 def test_prompt_and_messages_jobs_get_real_vllm_answers(
-    job_api: FakeJobApi, start_worker, worker_env: dict[str, str]
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
 ) -> None:
     # Queued before the worker starts: they must wait until vLLM is healthy.
     prompt_job = job_api.submit(
@@ -45,7 +46,7 @@ def test_prompt_and_messages_jobs_get_real_vllm_answers(
 
 
 def test_a_realistic_environment_is_accepted_by_vllm(
-    job_api: FakeJobApi, start_worker, worker_env: dict[str, str]
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
 ) -> None:
     """Flags of every origin (variable, alias, extra args) in one command vLLM accepts."""
     env = {

@@ -11,18 +11,17 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi, JobRecord
 from tests.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.vllm
 
-StartWorker = Callable[..., WorkerProcess]
 PROMPT = {"prompt": "Hello", "sampling_params": {"max_tokens": 4}}
 
 

@@ -7,15 +7,13 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi
-from tests.worker_process import WorkerProcess, group_members
-
-StartWorker = Callable[..., WorkerProcess]
+from worker.supervisor import group_members
 
 SECRETS = {
     "HF_TOKEN": "hf_TopSecretHubToken0001",

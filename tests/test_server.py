@@ -6,20 +6,17 @@ from __future__ import annotations
 import json
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import StartWorker, free_port
 from tests.fake_job_api import FakeJobApi
-from tests.worker_process import WorkerProcess
 from worker.command import VllmCommand
 from worker.server import _missing_baked_model
-
-StartWorker = Callable[..., WorkerProcess]
 
 
 def fake_vllm(tmp_path: Path, body: str) -> str:

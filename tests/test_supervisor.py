@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 from tests.conftest import free_port
-from tests.worker_process import group_members
 from worker.secrets import SecretMasker
-from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
+from worker.supervisor import Readiness, VllmProcess, group_members, wait_until_healthy
 
 # A parent that starts a child ignoring SIGTERM, like vLLM's engine outliving its server.
 STUBBORN = textwrap.dedent("""
