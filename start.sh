@@ -28,8 +28,11 @@ case "$mode" in
       export ENFORCE_EAGER=${ENFORCE_EAGER:-true}
       export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
     fi
+    # PORT is the local API's here, not vLLM's (which stays on 127.0.0.1:VLLM_PORT).
+    api_port=${PORT:-8000}
+    unset PORT
     exec "$python" -m worker --rp_serve_api --rp_api_host "${RP_API_HOST:-127.0.0.1}" \
-      --rp_api_port "${PORT:-8000}" "$@"
+      --rp_api_port "$api_port" "$@"
     ;;
   *)
     echo "start.sh: WORKER_MODE must be serverless, http or local (got '$mode')" >&2

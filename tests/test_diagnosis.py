@@ -538,7 +538,7 @@ CASES = [
             ],
             ("huggingface_hub/utils/_http.py", 1000, "hf_raise_for_status"),
         ),
-        "invalid_hf_token",
+        "invalid_token",
         cause_has=("Invalid credentials in Authorization header",),
         fix_has=("HF_TOKEN",),
         env={"HF_TOKEN": "hf_expired"},

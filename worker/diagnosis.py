@@ -964,7 +964,7 @@ _RULES: tuple[_Rule, ...] = (
     # huggingface_hub/utils/_http.py hf_raise_for_status: a 401 whose X-Error-Message is
     # "Invalid credentials in Authorization header" (an expired or mistyped HF_TOKEN).
     _Rule(
-        "invalid_hf_token",
+        "invalid_token",
         _rx(r"Invalid credentials in Authorization header"),
         _explain_invalid_token,
     ),

@@ -53,7 +53,7 @@ def dry_run(settings: Settings, env: Mapping[str, str]) -> int:
 
     server = Server(settings, env)
     try:
-        command = server.build(env)
+        command = server.build(env, log_warnings=False)
     except ConfigError as exc:
         print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
@@ -76,7 +76,9 @@ def exec_http(settings: Settings, env: Mapping[str, str]) -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     logger.info("exec: %s", command.shell_line(server.masker))
-    os.execvpe(command.argv[0], command.argv, vllm_environment(env, command))
+    os.execvpe(
+        command.argv[0], command.argv, vllm_environment(env, command, behind_worker=False)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

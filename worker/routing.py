@@ -50,8 +50,9 @@ class _BatchSizes:
         self.current = min(policy.min_batch_size, policy.max_batch_size)
 
     def advance(self) -> None:
-        grown = math.ceil(self.current * self._policy.growth_factor)
-        self.current = min(max(grown, self.current), self._policy.max_batch_size)
+        limit = self._policy.max_batch_size
+        grown = self.current * self._policy.growth_factor  # may be huge: compare as floats
+        self.current = limit if grown >= limit else max(math.ceil(grown), self.current)
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,21 @@ def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequest(f"'{key}' must be a number.")
         if key == "batch_size_growth_factor":
-            if not math.isfinite(value) or value < 1:
+            try:
+                factor = float(value)
+            except OverflowError:
+                raise InvalidRequest("'batch_size_growth_factor' is too large.") from None
+            if not math.isfinite(factor) or factor < 1:
                 raise InvalidRequest("'batch_size_growth_factor' must be a number >= 1.")
-            values["growth_factor"] = float(value)
+            values["growth_factor"] = factor
         else:
-            if not float(value).is_integer() or value < 1:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise InvalidRequest(f"'{key}' must be a whole number >= 1.")
+                value = int(value)
+            if value < 1:
                 raise InvalidRequest(f"'{key}' must be a whole number >= 1.")
-            values[key] = int(value)
+            values[key] = value
     return BatchPolicy(**values)
 
 

