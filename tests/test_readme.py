@@ -36,8 +36,8 @@ EXAMPLES_TEST = "tests/test_examples.py"
 DOCKER_TEST = "tests/test_docker.py"
 README_TEST = "tests/test_readme.py"
 
-#: Every command of the README below its first block (scripts/run_local.sh, scripts/test.sh:
-#: .ci/run runs the second) → the test that exercises it.
+#: Every command of the README below its first block → the test that exercises it. The first
+#: block's two: tests/test_run_local.py runs scripts/run_local.sh, .ci/run runs scripts/test.sh.
 COVERAGE: dict[str, str] = {
     "curl -s http://127.0.0.1:8000/runsync -H 'Content-Type: application/json' "
     "-d '{\"input\": {\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
@@ -213,6 +213,7 @@ def test_the_first_block_is_the_projects_two_commands() -> None:
     first = commands(blocks("bash")[0])
     assert first == ["scripts/run_local.sh", "scripts/test.sh"]
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert "scripts/run_local.sh" in (ROOT / "tests" / "test_run_local.py").read_text()
 
 
 def _anchor(heading: str) -> str:
