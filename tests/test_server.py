@@ -111,3 +111,15 @@ def test_a_missing_baked_model_names_the_build_argument() -> None:
     assert "/models/gone" in error.message and "MODEL_NAME build argument" in error.message
     present = VllmCommand(["vllm", "serve", "/"], dict(command.sources), [], {})
     assert _missing_baked_model(present) is None
+
+
+def test_vllm_gets_neither_the_platforms_credentials_nor_a_key_it_would_demand() -> None:
+    from worker.server import vllm_environment
+
+    command = VllmCommand(["vllm", "serve", "m"], {}, [], {"HF_HUB_OFFLINE": "1"})
+    env = {"HF_TOKEN": "hf_x", "RUNPOD_AI_API_KEY": "rp", "RUNPOD_WEBHOOK_GET_JOB": "u",
+           "VLLM_API_KEY": "k", "VLLM_PORT": "8000", "PATH": "/bin"}
+    child = vllm_environment(env, command)
+    assert child == {"HF_TOKEN": "hf_x", "PATH": "/bin", "HF_HUB_OFFLINE": "1"}
+    # A plain pod (http mode) serves users directly: there the key is vLLM's to check.
+    assert vllm_environment(env, command, behind_worker=False)["VLLM_API_KEY"] == "k"
