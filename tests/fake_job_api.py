@@ -62,7 +62,7 @@ class JobRecord:
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
-
+    request_queue_size = 1024  # hundreds of concurrent jobs connect at once
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A worker that stops mid long-poll closes its socket: not a test failure.
         pass
@@ -213,6 +213,9 @@ class FakeJobApi:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes: with Nagle's algorithm and the client's
+            # delayed ACK each answer would wait ~40 ms.
+            disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass

@@ -42,17 +42,22 @@ class BatchPolicy:
         return _BatchSizes(self)
 
 
+# Past this many events a batch means "everything buffered": it also keeps the arithmetic
+# below within floats when a job asks for 10**400.
+_MAX_EVENTS_PER_BATCH = 1_000_000
+
+
 class _BatchSizes:
     """The target size of each successive batch: min, min·f, min·f², … capped at max."""
 
     def __init__(self, policy: BatchPolicy) -> None:
         self._policy = policy
-        self.current = min(policy.min_batch_size, policy.max_batch_size)
+        self._limit = min(policy.max_batch_size, _MAX_EVENTS_PER_BATCH)
+        self.current = min(policy.min_batch_size, self._limit)
 
     def advance(self) -> None:
-        limit = self._policy.max_batch_size
-        grown = self.current * self._policy.growth_factor  # may be huge: compare as floats
-        self.current = limit if grown >= limit else max(math.ceil(grown), self.current)
+        grown = self.current * self._policy.growth_factor
+        self.current = self._limit if grown >= self._limit else max(math.ceil(grown), self.current)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ turn these names into flags) all read it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,15 +38,15 @@ def _positive_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise ValueError("must be 0 or more")
+    if not (math.isfinite(value) and value >= 0):  # also refuses nan and inf
+        raise ValueError("must be a finite number, 0 or more")
     return value
 
 
 def _growth_factor(text: str) -> float:
     value = float(text)
-    if value < 1:
-        raise ValueError("must be at least 1")
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError("must be a finite number, at least 1")
     return value
 
 
