@@ -100,6 +100,44 @@ def test_completion_non_stream_and_stream(serving: Serving) -> None:
     assert sum(1 for c in chunks if c["choices"]) == 6
 
 
+def sse_response(text: str, route: str) -> Any:
+    """The relayed text as the platform would serve it to a client (the clients of this
+    era are built on httpx2)."""
+    import httpx2
+
+    return httpx2.Response(200, content=text.encode(),
+                           headers={"content-type": "text/event-stream"},
+                           request=httpx2.Request("POST", "http://127.0.0.1:9" + route))
+
+
+def test_relayed_streams_parse_with_the_openai_and_anthropic_clients(serving: Serving) -> None:
+    """What users run: the official clients' own stream parsers over the relayed bytes."""
+    import anthropic
+    import openai
+    from anthropic.types import RawMessageStreamEvent
+    from openai.types.chat import ChatCompletionChunk
+
+    chat = serving.run({"messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                        "sampling_params": {"max_tokens": 5, "ignore_eos": True}})
+    stream = openai.Stream(
+        cast_to=ChatCompletionChunk,
+        response=sse_response(streamed_text(chat), "/v1/chat/completions"),
+        client=openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1"),
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    messages = serving.run({"openai_route": "/v1/messages", "openai_input": {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True}})
+    events: list[Any] = list(anthropic.Stream(
+        cast_to=RawMessageStreamEvent,  # type: ignore[arg-type]  # a Union, as the SDK uses it
+        response=sse_response(streamed_text(messages), "/v1/messages"),
+        client=anthropic.Anthropic(api_key="unused", base_url="http://127.0.0.1:9"),
+    ))
+    assert events[0].type == "message_start" and events[-1].type == "message_stop"
+
+
 def test_chat_stream_matches_a_direct_request(serving: Serving) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
             "ignore_eos": True, "stream": True, "model": model_id(serving)}
