@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import urllib.request
 
+from _endpoint import url_and_key
 from anthropic import Anthropic
 
 
 def settings_from_env() -> tuple[str, str]:
     """(base URL without /v1, API key)."""
-    base_url = os.environ.get("BASE_URL", "").rstrip("/")
-    api_key = os.environ.get("RUNPOD_API_KEY", "")
-    if base_url:
-        return base_url.removesuffix("/v1"), api_key or "unused"
-    endpoint = os.environ.get("RUNPOD_ENDPOINT_ID", "")
-    if not endpoint or not api_key:
-        sys.exit("Set RUNPOD_ENDPOINT_ID and RUNPOD_API_KEY (or BASE_URL).")
-    return f"https://api.runpod.ai/v2/{endpoint}/openai", api_key
+    base_url, api_key = url_and_key("/openai/v1")
+    return base_url.removesuffix("/v1"), api_key or "unused"
 
 
 def first_model(base_url: str, api_key: str) -> str:

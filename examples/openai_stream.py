@@ -10,20 +10,8 @@ https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID/openai/v1, MODEL names the model.
 from __future__ import annotations
 
 import os
-import sys
 
-from openai import OpenAI
-
-
-def client_from_env() -> OpenAI:
-    base_url = os.environ.get("BASE_URL", "").rstrip("/")
-    api_key = os.environ.get("RUNPOD_API_KEY", "")
-    if not base_url:
-        endpoint = os.environ.get("RUNPOD_ENDPOINT_ID", "")
-        if not endpoint or not api_key:
-            sys.exit("Set RUNPOD_ENDPOINT_ID and RUNPOD_API_KEY (or BASE_URL).")
-        base_url = f"https://api.runpod.ai/v2/{endpoint}/openai/v1"
-    return OpenAI(base_url=base_url, api_key=api_key or "unused", timeout=600, max_retries=1)
+from _endpoint import client_from_env
 
 
 def main() -> None:

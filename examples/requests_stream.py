@@ -14,15 +14,13 @@ BASE_URL=http://127.0.0.1:8000 for the worker's local API (which runs the whole 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import requests
+from _endpoint import TERMINAL, check, endpoint_from_env, exit_unless_completed, fail_if_error
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"}
 DEFAULT_JOB: dict[str, Any] = {
     "input": {
         "messages": [{"role": "user", "content": "Count from one to ten in words."}],
@@ -30,38 +28,6 @@ DEFAULT_JOB: dict[str, Any] = {
         "stream": True,
     }
 }
-
-
-def endpoint_from_env() -> tuple[str, requests.Session]:
-    """The endpoint's base URL and a session that carries the API key."""
-    base_url = os.environ.get("BASE_URL", "").rstrip("/")
-    api_key = os.environ.get("RUNPOD_API_KEY", "")
-    if not base_url:
-        endpoint = os.environ.get("RUNPOD_ENDPOINT_ID", "")
-        if not endpoint or not api_key:
-            sys.exit("Set RUNPOD_ENDPOINT_ID and RUNPOD_API_KEY (or BASE_URL).")
-        base_url = f"https://api.runpod.ai/v2/{endpoint}"
-    session = requests.Session()
-    if api_key:
-        session.headers["Authorization"] = f"Bearer {api_key}"
-    return base_url, session
-
-
-def check(session: requests.Session, url: str) -> dict[str, Any]:
-    """GET a /status or /stream URL (the SDK's local API only takes POST there)."""
-    response = session.get(url, timeout=60)
-    if response.status_code == 405:
-        response = session.post(url, timeout=600)
-    response.raise_for_status()
-    result: dict[str, Any] = response.json()
-    return result
-
-
-def fail_if_error(item: Any) -> None:
-    """Exit with a failed job's error (the SDK's local API reports one as an output item)."""
-    if isinstance(item, dict) and "error" in item:
-        # "error" is JSON text: {"type": ..., "message": ..., "code": ...}.
-        sys.exit(f"job failed: {item['error']}")
 
 
 def events(text: str) -> list[dict[str, Any]]:
@@ -99,9 +65,7 @@ def main() -> None:
             break
         time.sleep(0.5)
     print()
-    if result["status"] != "COMPLETED":
-        # A failed job's "error" is JSON text: {"type": ..., "message": ..., "code": ...}.
-        sys.exit(f"job {job_id} {result['status']}: {result.get('error')}")
+    exit_unless_completed(result, job_id)
     print(f"[pieces={pieces}, completion_tokens={usage.get('completion_tokens')}]")
 
 

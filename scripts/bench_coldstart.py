@@ -62,7 +62,7 @@ def base_env(scratch: Path, port: int) -> dict[str, str]:
 def healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-            return response.status == 200
+            return bool(response.status == 200)
     except OSError:
         return False
 

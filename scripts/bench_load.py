@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.fake_job_api import FakeJobApi, JobRecord  # noqa: E402
+from tests.fake_job_api import FakeJobApi, JobRecord, peak_in_flight  # noqa: E402
 from tests.fake_openai import expected_stream  # noqa: E402
 from tests.fake_vllm import free_port, launch_worker  # noqa: E402
 
@@ -123,16 +123,6 @@ def check(record: JobRecord, expected: bytes) -> str | None:
     if record.done.get("output") != outputs:
         return f"{record.id}: the job-done aggregate differs from the stream posts"
     return None
-
-
-def peak_in_flight(records: list[JobRecord]) -> int:
-    marks = sorted([(r.taken_at or 0.0, 1) for r in records] +
-                   [(r.done_at or 0.0, -1) for r in records])
-    peak = current = 0
-    for _, step in marks:
-        current += step
-        peak = max(peak, current)
-    return peak
 
 
 def probe_api(api: FakeJobApi, concurrency: int, seconds: float = 2.0) -> float | None:

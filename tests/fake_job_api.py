@@ -60,6 +60,17 @@ class JobRecord:
         return None
 
 
+def peak_in_flight(records: list[JobRecord]) -> int:
+    """Most jobs the worker held at once (taken, not yet done), from the API's clock."""
+    marks = sorted([(r.taken_at or 0.0, 1) for r in records] +
+                   [(r.done_at or 0.0, -1) for r in records])
+    peak = current = 0
+    for _, step in marks:
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # hundreds of concurrent jobs connect at once

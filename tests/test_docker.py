@@ -275,21 +275,20 @@ platforms.builtin_platform_plugins["cuda"] = lambda: None
 
 
 @pytest.mark.vllm
-def test_the_catalog_step_needs_its_cpu_target_on_a_gpu_less_builder(
+def test_the_catalog_dump_works_on_a_gpu_less_builder(
     vllm_python: str, build_context: Path, tmp_path: Path
 ) -> None:
+    """vLLM cannot infer a device without a GPU: the dump picks the CPU platform itself, and
+    the Dockerfile's step also says so."""
     simulation = tmp_path / "simulation"
     simulation.mkdir()
     (simulation / "sitecustomize.py").write_text(_GPU_LESS_CUDA_IMAGE)
-    without = _dump_step(build_context, tmp_path / "a.json", vllm_python,
-                         extra_path=simulation, target_device=False)
-    assert without.returncode != 0
-    assert "Failed to infer device type" in without.stderr
-    with_target = _dump_step(build_context, tmp_path / "b.json", vllm_python,
-                             extra_path=simulation)
-    assert with_target.returncode == 0, with_target.stderr[-2000:]
-    assert FlagCatalog.load(tmp_path / "b.json").flags == \
-        FlagCatalog.load(packaged_catalog_path()).flags
+    for name, target_device in (("a.json", False), ("b.json", True)):
+        step = _dump_step(build_context, tmp_path / name, vllm_python,
+                          extra_path=simulation, target_device=target_device)
+        assert step.returncode == 0, step.stderr[-2000:]
+        assert FlagCatalog.load(tmp_path / name).flags == \
+            FlagCatalog.load(packaged_catalog_path()).flags
 
 
 # -- scripts/download_model.py -----------------------------------------------------------------

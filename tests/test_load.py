@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.fake_job_api import FakeJobApi, JobRecord
+from tests.fake_job_api import FakeJobApi, JobRecord, peak_in_flight
 from tests.fake_openai import expected_stream
 from tests.fake_vllm import free_port, launch_worker
 from tests.worker_process import WorkerProcess
@@ -111,17 +111,6 @@ def assert_byte_exact(record: JobRecord, events: int) -> None:
     assert all(item.endswith("\n\n") for item in outputs), record.id
     assert record.done["output"] == outputs, record.id  # the aggregate equals the posts
     assert record.done_query.get("isStream") == ["true"], record.done_query
-
-
-def peak_in_flight(records: list[JobRecord]) -> int:
-    """Most jobs the worker held at once (taken, not yet done), from the API's clock."""
-    marks = sorted([(r.taken_at or 0.0, 1) for r in records] +
-                   [(r.done_at or 0.0, -1) for r in records])
-    peak = current = 0
-    for _, step in marks:
-        current += step
-        peak = max(peak, current)
-    return peak
 
 
 def test_64_concurrent_streams_are_byte_exact_and_in_order(serving: FakeServing) -> None:
