@@ -158,7 +158,7 @@ class Server:
         self.env = dict(env)
         self.masker = SecretMasker.from_env(env)
         self.vllm: VllmProcess | None = None
-        self.command: VllmCommand | None = None
+        self._catalog: FlagCatalog | None = None
         self._started = time.monotonic()
         self._exit_code = 0
         self._jobs: JobLoop | None = None
@@ -211,10 +211,11 @@ class Server:
         log_warnings: bool = True,
     ) -> VllmCommand:
         """The `vllm serve` command for ``env``; raises ConfigError when env is wrong."""
-        catalog = load_catalog(self.settings, env)
+        if self._catalog is None:  # resolved once: a relaunch builds again
+            self._catalog = load_catalog(self.settings, env)
         command = build_command(
             env,
-            catalog,
+            self._catalog,
             vllm_executable=self.settings.vllm_executable,
             host=host,
             port=self.settings.vllm_port if port is None else port,
@@ -281,7 +282,6 @@ class Server:
             hub_check.cancel()
 
     def _launch(self, command: VllmCommand, env: Mapping[str, str]) -> None:
-        self.command = command
         self.vllm = VllmProcess(command.argv, vllm_environment(env, command), masker=self.masker)
         logger.info("launching: %s", command.shell_line(self.masker))
         self.vllm.start()
