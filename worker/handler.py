@@ -297,8 +297,7 @@ class Proxy:
                     await response.aread()
                     if response.status_code >= 400:
                         raise self._vllm_error(response)
-                    models = response.json().get("data") or []
-                    self._served_model = models[0]["id"] if models else None
+                    self._served_model = _first_model_id(response)
                 finally:
                     await response.aclose()
         return self._served_model
@@ -399,6 +398,15 @@ class Proxy:
             elif isinstance(payload, dict) and isinstance(payload.get("detail"), str):
                 message = payload["detail"]
         return VllmError(message, code=response.status_code, vllm=detail)
+
+
+def _first_model_id(response: httpx.Response) -> str | None:
+    """The first id of a /v1/models answer; None (send no "model") if it has none."""
+    try:
+        first = response.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        return None
+    return first if isinstance(first, str) else None
 
 
 def _decoded_body(response: httpx.Response) -> Any:
