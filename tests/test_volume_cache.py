@@ -148,7 +148,6 @@ def _as_unprivileged(fn: Callable[[], str]) -> str:
     return text
 
 
-@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
 def test_really_read_only_folder() -> None:
     # A mount-free trick for a real read-only folder: chmod 0o555, and the check runs without
     # root (in a forked child that drops its uid when the tests run as root). The folder is

@@ -1,8 +1,8 @@
 """Run the worker: build the command, start vLLM, then serve jobs — or explain the failure.
 
-The order matters for a serverless cold start: vLLM is launched first, and everything the
-worker needs itself (importing runpod, the SDK's system checks) happens while vLLM loads, so
-that the worker adds almost nothing once vLLM is healthy. No job is taken before then: jobs
+The order matters for a serverless cold start: vLLM is launched first, and what the worker
+needs itself (importing runpod, the hub pre-flight) happens while vLLM loads, so that the
+worker adds almost nothing once vLLM is healthy. No job is taken before then: jobs
 stay queued on the platform during the cold start.
 
 Outcomes of a start:
@@ -169,7 +169,7 @@ class Server:
     def run_serverless(self) -> int:
         """Prestart, then runpod's job loop on the platform's job API; the exit code."""
         try:
-            outcome = asyncio.run(self._interruptible(self.prestart(serverless=True)))
+            outcome = asyncio.run(self._interruptible(self.prestart()))
             if outcome is None:
                 return 0
             return asyncio.run(self._serve(outcome))
@@ -178,7 +178,7 @@ class Server:
 
     def prestart_only(self) -> StartOutcome | None:
         """Prestart for the SDK's local API mode (which runs its own loop afterwards)."""
-        return asyncio.run(self._interruptible(self.prestart(serverless=False)))
+        return asyncio.run(self._interruptible(self.prestart()))
 
     def stop_vllm(self) -> None:
         if self.vllm is not None:
@@ -225,20 +225,15 @@ class Server:
                 logger.warning("%s", self.masker.mask(warning))
         return command
 
-    async def prestart(self, *, serverless: bool) -> StartOutcome:
+    async def prestart(self) -> StartOutcome:
         """Launch vLLM and wait until it is healthy; on failure, say why."""
-        # The SDK import (~1.5 s) and its system checks run while vLLM loads.
-        sdk_ready = asyncio.create_task(self._prepare_sdk(serverless))
+        # The SDK's import (~1.5 s) runs while vLLM loads.
+        sdk_imported = asyncio.create_task(asyncio.to_thread(_import_sdk))
         try:
             outcome = await self._start_vllm()
         finally:
-            await sdk_ready
+            await sdk_imported
         return outcome
-
-    async def _prepare_sdk(self, serverless: bool) -> None:
-        await asyncio.to_thread(_import_sdk)
-        if serverless:
-            await run_fitness_checks()
 
     async def _start_vllm(self) -> StartOutcome:
         outcome = StartOutcome(error=self._settings_error)
@@ -400,6 +395,10 @@ class Server:
             logger.info("%s: no new jobs; draining %d in flight", sig.name, jobs.jobs_in_flight)
             jobs.stop(self.settings.drain_timeout)
 
+        # The SDK's system checks (GPU test, memory, disk) run once vLLM is up, as they do
+        # for a worker that loads its engine before runpod.serverless.start: run during
+        # vLLM's load, a GPU test would disturb vLLM's own measuring of free GPU memory.
+        await run_fitness_checks()
         # The ping process is forked here: it must inherit the default SIGTERM action, or
         # the SDK's exit-time terminate() cannot stop it and the worker never exits.
         start_heartbeat()
