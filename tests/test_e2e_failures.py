@@ -59,6 +59,7 @@ def test_max_model_len_beyond_the_model(
     )
     for record in records:  # stays up: every job gets the same answer
         message = startup_error(record)
+        assert record.error is not None and record.error["kind"] == "max_model_len_too_large"
         assert "MAX_MODEL_LEN" in message and "2048" in message
         assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in message
     assert worker.proc.poll() is None

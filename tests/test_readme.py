@@ -188,7 +188,7 @@ def startup_kinds() -> set[str]:
     kinds = {rule.kind for rule in _RULES if rule.explain is not None}
     preflight = (ROOT / "worker" / "preflight.py").read_text()
     kinds |= set(re.findall(r"kind ``(\w+)``", preflight))
-    kinds |= set(re.findall(r'cause="(\w+)"', (ROOT / "worker" / "server.py").read_text()))
+    kinds |= set(re.findall(r'kind="(\w+)"', (ROOT / "worker" / "server.py").read_text()))
     return kinds
 
 
@@ -277,7 +277,7 @@ def test_error_examples_are_the_workers_words() -> None:
                          {"--max-model-len": "env MAX_MODEL_LEN"})
     assert diagnosis is not None
     example = _error_example("startup_error", "max_model_len")
-    assert (example["message"], example["cause"]) == (diagnosis.message, diagnosis.kind)
+    assert (example["message"], example["kind"]) == (diagnosis.message, diagnosis.kind)
 
     handler = (ROOT / "worker" / "handler.py").read_text()
     server = (ROOT / "worker" / "server.py").read_text()
