@@ -172,23 +172,25 @@ def test_unrecognised_failure_answers_one_job_then_exits(
 def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
     job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
 ) -> None:
-    worker = start_worker(worker_env)
+    worker = start_worker({**worker_env, "MAX_MODEL_LEN": "2048", "KV_CACHE_MEMORY_BYTES": "1G"})
     worker.wait_for_log("taking jobs", timeout=240)
-    jobs = [
-        job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
-            "max_tokens": 480, "ignore_eos": True, "n": 16}}),
-        job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
-            "max_tokens": 480, "ignore_eos": True, "n": 16}}),
-        job_api.submit({"prompt": "Hello", "sampling_params": {
-            "max_tokens": 480, "ignore_eos": True, "n": 16}}),
-    ]
-    for job in jobs[:2]:
-        job_api.wait_stream(job, count=1, timeout=60)
     [api_server] = worker.vllm_pids()
+    # One job mid-stream (128 × 2000 tokens: ~13 s of work), then vLLM frozen so that two
+    # more jobs are surely in flight, unanswered, when its API server is killed.
+    streaming = job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
+        "max_tokens": 2000, "ignore_eos": True, "n": 128}})
+    job_api.wait_stream(streaming, count=1, timeout=60)
+    os.killpg(api_server, signal.SIGSTOP)
+    waiting = [job_api.submit({"prompt": "Hello", "stream": True}), job_api.submit(PROMPT)]
+    for job in waiting:
+        job_api.wait_taken(job, timeout=30)
+    time.sleep(0.5)  # the requests reach vLLM's (frozen) listening socket
     killed_at = time.monotonic()
     os.kill(api_server, signal.SIGKILL)
+    os.killpg(api_server, signal.SIGCONT)  # the engine may now notice and go
     code = worker.wait(30)
     exited_after = time.monotonic() - killed_at
+    jobs = [streaming, *waiting]
     for job in jobs:  # streaming or not, every job in flight gets an answer
         record = job_api.wait_done(job, timeout=5)
         assert record.error is not None and record.error["type"] == "backend_unavailable"
