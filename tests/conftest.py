@@ -8,6 +8,7 @@ missing they fail rather than skip, so a CI run can never pass without them.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 import pytest
@@ -24,6 +26,22 @@ from tests.worker_process import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
+
+
+def load_script(path: Path, extra_path: Path | None = None) -> ModuleType:
+    """A script of the repo (not a package module) imported for a test; ``extra_path`` is on
+    sys.path meanwhile, as the script's own folder is when it runs."""
+    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if extra_path is not None:
+        sys.path.insert(0, str(extra_path))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if extra_path is not None:
+            sys.path.remove(str(extra_path))
+    return module
 
 
 def free_port() -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import load_script
 from tests.worker_process import base_env
 from worker.command import ALIASES, COLLIDING_NAMES, RETIRED, build_command
 from worker.errors import ConfigError
@@ -418,13 +419,7 @@ def test_a_folder_without_config_is_no_model(tmp_path: Path) -> None:
 
 
 def _download_module() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("download_model", DOWNLOAD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DOWNLOAD)
 
 
 def test_the_token_comes_from_the_secret_file_unless_hf_token_is_set(tmp_path: Path) -> None:

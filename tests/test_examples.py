@@ -18,7 +18,6 @@ RUNPOD_ENDPOINT_ID / RUNPOD_API_KEY, and what it says when they are missing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -35,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, load_script
 from tests.worker_process import WorkerProcess, base_env
 from worker.routing import parse_job_input
 
@@ -272,15 +271,7 @@ def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker
 def load_example(name: str) -> ModuleType:
     """The example as a module; its directory is on sys.path meanwhile, as when it runs as a
     script, for its sibling import of examples/_endpoint.py."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return module
+    return load_script(EXAMPLES / f"{name}.py", extra_path=EXAMPLES)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 import worker.errors
+from tests.conftest import load_script
 from tests.worker_process import base_env
 from worker.diagnosis import _RULES
 from worker.errors import WorkerError
@@ -100,11 +100,7 @@ def commands(block: str) -> list[str]:
 
 
 def load_gen_readme() -> Any:
-    spec = importlib.util.spec_from_file_location("gen_readme", GEN_README)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GEN_README)
 
 
 # -- generated tables --------------------------------------------------------------------

@@ -473,12 +473,6 @@ def _repo_variable(repo: str | None, context: _Context) -> str:
     return _variable("--model", context)
 
 
-def _with_token_hint(context: _Context) -> str:
-    if context.env.get("HF_TOKEN", "").strip():
-        return "the account of the token in HF_TOKEN has no access to it"
-    return "HF_TOKEN is not set"
-
-
 # -- explanations, one per kind of failure -------------------------------------------------
 def _smaller_footprint(context: _Context) -> str:
     """The settings that shrink what vLLM needs besides the KV cache, named as the user set them."""

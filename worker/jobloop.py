@@ -40,7 +40,6 @@ class JobLoop:
         )
         self._stop = asyncio.Event()
         self._drain_timeout = 0.0
-        self.taking_since: float | None = None
 
     def _concurrency_modifier(self, _current: int) -> int:
         return self._concurrency
@@ -75,7 +74,6 @@ class JobLoop:
             stops = asyncio.create_task(
                 scaler.monitor_stop_signals(session), name="runpod-job-stop"
             )
-            self.taking_since = asyncio.get_running_loop().time()
             await self._stop.wait()
 
             scaler.kill_worker()

@@ -345,8 +345,8 @@ class Server:
         self.vllm.stop()  # also ends engine children that would hold the pipe open
         self.vllm.drain_output()
         exit_code = self.vllm.returncode
-        tail = self.vllm.tail()
-        logs = self.masker.mask("\n".join(tail))[-_TAIL_FOR_JOBS:]
+        tail = self.vllm.tail()  # masked as it was read
+        logs = self.vllm.tail_text(_TAIL_FOR_JOBS)
         if readiness is Readiness.TIMED_OUT:
             return PrestartFailed(
                 f"vLLM was not healthy after {self.settings.startup_timeout:g} s "
@@ -483,8 +483,9 @@ class Server:
 
     def _death_reason(self, code: int | None) -> str:
         assert self.vllm is not None
-        last = self.masker.mask("\n".join(self.vllm.tail(20)))[-1500:]
-        return f"vLLM exited with code {code} while serving. Last lines:\n{last}"
+        return f"vLLM exited with code {code} while serving. Last lines:\n" + (
+            self.vllm.tail_text(1500)
+        )
 
     async def _vllm_failure(self) -> str | None:
         """Called by the proxy on a transport error: was it vLLM dying?"""

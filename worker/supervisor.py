@@ -255,8 +255,8 @@ class VllmProcess:
         return kept if lines is None else kept[-lines:]
 
     def tail_text(self, max_chars: int = 4000) -> str:
-        text = "\n".join(self.tail())
-        return text[-max_chars:]
+        """The end of the output as one text, for a job's error (already masked)."""
+        return "\n".join(self.tail())[-max_chars:]
 
     def drain_output(self, timeout: float = 2.0) -> None:
         """Wait (bounded) until the output pipe is read to its end."""
