@@ -7,6 +7,7 @@ missing they fail rather than skip, so a CI run can never pass without them.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import os
@@ -14,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +28,34 @@ from tests.worker_process import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
+
+
+# Variables through which a machine's own caches and credentials would reach the tests.
+_MACHINE_STATE = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+                  "TRANSFORMERS_CACHE", "HF_ENDPOINT", "HF_HUB_OFFLINE", "VLLM_CACHE_ROOT")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hermetic caches: the suite sees no cache, token or catalog this machine happens to have.
+
+    Set before any test module is imported, because huggingface_hub fixes its paths (the
+    token file, the daily "agent harness" registry, the hub cache) at import time; worker and
+    vLLM processes inherit these. A fresh machine and a used one thus run the same suite.
+    """
+    base = Path(tempfile.mkdtemp(prefix="worker-tests-"))
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
+    for name in _MACHINE_STATE:
+        os.environ.pop(name, None)
+    os.environ["XDG_CACHE_HOME"] = str(base / "cache")
+    os.environ["HF_HOME"] = str(base / "hf-home")
+
+
+@pytest.fixture(autouse=True)
+def fresh_hf_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test's processes get an HF_HOME of their own, empty."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf-home")))
 
 
 def load_script(path: Path, extra_path: Path | None = None) -> ModuleType:

@@ -118,6 +118,24 @@ async def test_public_model_passes_with_one_anonymous_request(hub: FakeHub) -> N
     assert 0 <= result.seconds < 5
 
 
+async def test_no_agent_registry_request_even_with_nothing_cached(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # huggingface_hub 2.4 fetches /api/agent-harnesses before a process's first request when
+    # HF_HOME has no copy of the day. Forget any copy this process already holds: the
+    # pre-flight must still send its one request only, and write nothing into HF_HOME.
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _detect_agent
+
+    monkeypatch.setattr(_detect_agent, "_registry", None)
+    assert not Path(constants.AGENT_HARNESSES_PATH).exists()
+    hub.on(f"{API}/Qwen/Qwen3-0.6B", json_body=PUBLIC)
+    result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B"))
+    assert result.ok
+    assert hub.urls == [f"{API}/Qwen/Qwen3-0.6B"]
+    assert not Path(constants.AGENT_HARNESSES_PATH).exists()
+
+
 async def test_revision_is_asked_for(hub: FakeHub) -> None:
     hub.on(f"{API}/Qwen/Qwen3-0.6B/revision/v2.0", json_body=PUBLIC)
     result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B", MODEL_REVISION="v2.0"))

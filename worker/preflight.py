@@ -467,9 +467,19 @@ class HubApi(Protocol):
 
 
 def default_hf_api(endpoint: str | None) -> HubApi:
-    """An HfApi for ``endpoint`` (None: huggingface.co); imported here to keep start-up lean."""
-    from huggingface_hub import HfApi
+    """An HfApi for ``endpoint`` (None: huggingface.co); imported here to keep start-up lean.
 
+    The library's telemetry is turned off for the worker's own requests (vLLM's environment
+    is untouched): with it on, huggingface_hub 2.4 builds its user agent by fetching an "AI
+    agent harness" registry (``/api/agent-harnesses``, 3 s timeout) before the first request
+    of a process whenever ``HF_HOME`` holds no copy of the day, and writes that copy into
+    ``HF_HOME`` (the network volume). For a metadata check that must answer in seconds, that
+    is one more round trip ahead of every cold start's verdict, for a header the check does
+    not need.
+    """
+    from huggingface_hub import HfApi, constants
+
+    constants.HF_HUB_DISABLE_TELEMETRY = True
     return HfApi(endpoint=endpoint, library_name="worker-vllm")
 
 
