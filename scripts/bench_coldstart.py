@@ -56,6 +56,7 @@ def base_env(scratch: Path, port: int) -> dict[str, str]:
         "MAX_MODEL_LEN": "512",
         "ENFORCE_EAGER": "true",
         "KV_CACHE_MEMORY_BYTES": "64M",
+        "DTYPE": "float32",
     }
 
 

@@ -11,6 +11,8 @@ if [ -z "${MODEL_NAME:-}" ]; then
     .venv-vllm/bin/python scripts/make_tiny_model.py "$MODEL_NAME"
   fi
   export MAX_MODEL_LEN=${MAX_MODEL_LEN:-512}
+  # float32: vLLM's most portable CPU kernels (bf16 ones differ with the processor).
+  export DTYPE=${DTYPE:-float32}
 fi
 export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
 export WORKER_PYTHON=$PWD/.venv/bin/python

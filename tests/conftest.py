@@ -24,7 +24,7 @@ from typing import Protocol
 import pytest
 
 from tests.fake_job_api import FakeJobApi
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, error_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
@@ -48,6 +48,35 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop(name, None)
     os.environ["XDG_CACHE_HOME"] = str(base / "cache")
     os.environ["HF_HOME"] = str(base / "hf-home")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[None] | pytest.TestReport:
+    """A failed test that ran workers reports their last exception lines (vLLM's root error).
+
+    They go into the one-line summary too: a CI log cut to its end still says why vLLM failed.
+    """
+    report: pytest.TestReport = yield
+    if not report.failed:
+        return report
+    started = getattr(item, "_worker_logs_before", 0)
+    for path in WorkerProcess.log_paths[started:] or WorkerProcess.log_paths[-1:]:
+        if not path.exists():
+            continue
+        log = path.read_text(errors="replace")
+        errors = error_lines(log)
+        report.sections.append((f"worker log {path.name} (last lines)", log[-6000:]))
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if errors and crash is not None:
+            crash.message += " | worker log: " + " | ".join(errors)
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item._worker_logs_before = len(WorkerProcess.log_paths)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
@@ -140,6 +169,9 @@ def tiny_env(
         "MAX_MODEL_LEN": "512",
         "ENFORCE_EAGER": "true",
         "KV_CACHE_MEMORY_BYTES": "64M",
+        # float32: the most portable of vLLM's CPU kernels. bf16 picks ISA-specific ones
+        # (AMX, AVX512-BF16) that differ from one CI machine to the next.
+        "DTYPE": "float32",
         "VLLM_STARTUP_TIMEOUT": "300",
         "MAX_CONCURRENCY": "8",
     }

@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 from worker.supervisor import group_members
 
@@ -25,11 +26,25 @@ def base_env() -> dict[str, str]:
     return env
 
 
+_ERROR_LINE = re.compile(r"(?:^|[\s\]])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception):")
+
+
+def error_lines(log: str, count: int = 3) -> list[str]:
+    """The last ``count`` exception lines of a log (``XxxError: ...``): vLLM's root error
+    is the last one that is not a "see above" wrapper, usually among these."""
+    found = [line.strip()[:300] for line in log.splitlines() if _ERROR_LINE.search(line)]
+    return found[-count:]
+
+
 class WorkerProcess:
     """A child process whose output goes to a log file the test can read."""
 
+    #: Every log file of the session, for the failure reports (tests/conftest.py).
+    log_paths: ClassVar[list[Path]] = []
+
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, log_path: Path) -> None:
         self.log_path = log_path
+        WorkerProcess.log_paths.append(log_path)
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             list(argv),
