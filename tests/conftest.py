@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol
@@ -53,12 +53,12 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
-) -> Iterator[None] | pytest.TestReport:
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed test that ran workers reports their last exception lines (vLLM's root error).
 
     They go into the one-line summary too: a CI log cut to its end still says why vLLM failed.
     """
-    report: pytest.TestReport = yield
+    report = yield
     if not report.failed:
         return report
     started = getattr(item, "_worker_logs_before", 0)
@@ -126,7 +126,7 @@ def vllm_executable() -> str:
 @pytest.fixture(scope="session")
 def vllm_python(vllm_executable: str) -> str:
     """The interpreter of the CPU vLLM (it also has torch and transformers)."""
-    from worker.server import vllm_python as find_python
+    from worker.build import vllm_python as find_python
 
     python = find_python(vllm_executable)
     assert python is not None, f"cannot read the interpreter of {vllm_executable}"

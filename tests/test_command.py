@@ -19,13 +19,13 @@ from worker.command import (
     ALIASES,
     COLLIDING_NAMES,
     RETIRED,
-    WORKER_SETTINGS_NAMES,
-    VllmCommand,
     build_command,
 )
+from worker.config import VllmCommand
 from worker.errors import ConfigError
 from worker.flags import Flag, FlagCatalog, packaged_catalog_path
 from worker.secrets import SecretMasker
+from worker.settings import WORKER_SETTING_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,10 +102,16 @@ def build(
     return build_command(env, catalog, file_exists=fs.__contains__, read_text=read_text, **kw)
 
 
+def sources(command: VllmCommand) -> dict[str, str]:
+    """flag → where it came from, as the dry run prints it."""
+    return {flag: str(source) for flag, source in command.sources.items()}
+
+
 def flags(command: VllmCommand) -> list[str]:
     """argv between ``vllm serve MODEL`` and the pinned ``--host H --port P``."""
-    assert command.argv[-4:-2] == ["--host", "127.0.0.1"]
-    return command.argv[3:-4]
+    argv = list(command.argv)
+    assert argv[-4:-2] == ["--host", "127.0.0.1"]
+    return argv[3:-4]
 
 
 def with_model(**env: str) -> dict[str, str]:
@@ -115,29 +121,29 @@ def with_model(**env: str) -> dict[str, str]:
 # -- shape ---------------------------------------------------------------------------------
 def test_argv_shape_model_positional_then_flags_then_pinned_host_port() -> None:
     command = build(with_model(MAX_MODEL_LEN="4096"), vllm_executable="/opt/vllm", port=8123)
-    assert command.argv == [
+    assert list(command.argv) == [
         "/opt/vllm", "serve", "org/model", "--max-model-len", "4096",
         "--host", "127.0.0.1", "--port", "8123",
     ]
-    assert command.sources == {
+    assert sources(command) == {
         "--model": "alias MODEL_NAME",
         "--max-model-len": "env MAX_MODEL_LEN",
         "--host": "worker",
         "--port": "worker",
     }
-    assert command.warnings == []
+    assert command.warnings == ()
     assert command.env_overrides == {}
 
 
 def test_without_model_tag_positional_the_model_goes_in_model_flag() -> None:
     catalog = FlagCatalog(version="old", flags=SYNTHETIC.flags, positionals=())
     command = build(with_model(), catalog)
-    assert command.argv[2:4] == ["--model", "org/model"]
+    assert list(command.argv)[2:4] == ["--model", "org/model"]
 
 
 def test_no_model_at_all_warns() -> None:
     command = build({"MAX_MODEL_LEN": "1"})
-    assert command.argv[:3] == ["vllm", "serve", "--max-model-len"]
+    assert list(command.argv)[:3] == ["vllm", "serve", "--max-model-len"]
     assert any("MODEL_NAME" in w for w in command.warnings)
 
 
@@ -162,7 +168,7 @@ def test_no_model_at_all_warns() -> None:
 def test_value_flags(env: dict[str, str], expected: list[str]) -> None:
     command = build(with_model(**env))
     assert flags(command) == expected
-    assert command.sources[expected[0].split("=")[0]] == f"env {next(iter(env))}"
+    assert sources(command)[expected[0].split("=")[0]] == f"env {next(iter(env))}"
 
 
 @pytest.mark.parametrize(
@@ -193,7 +199,7 @@ def test_the_canonical_name_wins_over_another_long_option_of_the_same_flag() -> 
 def test_names_that_are_no_flag_are_ignored_not_guessed(name: str) -> None:
     command = build(with_model(**{name: "1"}))
     assert flags(command) == []
-    assert command.warnings == []
+    assert command.warnings == ()
 
 
 def test_worker_settings_are_never_flags_even_when_vllm_has_such_a_flag() -> None:
@@ -201,9 +207,9 @@ def test_worker_settings_are_never_flags_even_when_vllm_has_such_a_flag() -> Non
         version="future",
         positionals=("model_tag",),
         flags=(*SYNTHETIC.flags, *(_value("--" + n.lower().replace("_", "-"))
-                                   for n in sorted(WORKER_SETTINGS_NAMES))),
+                                   for n in sorted(WORKER_SETTING_NAMES))),
     )
-    env = with_model(**{name: "7" for name in WORKER_SETTINGS_NAMES})
+    env = with_model(**{name: "7" for name in WORKER_SETTING_NAMES})
     env["VLLM_EXTRA_ARGS"] = ""
     env["VLLM_CONFIG_FILE"] = ""
     assert flags(build(env, catalog)) == []
@@ -219,7 +225,7 @@ def test_common_variables_that_collide_with_flags_are_ignored(name: str) -> None
 def test_empty_values_are_unset(value: str) -> None:
     command = build(with_model(MAX_MODEL_LEN=value, ENFORCE_EAGER=value, SWAP_SPACE=value))
     assert flags(command) == []
-    assert command.warnings == []
+    assert command.warnings == ()
 
 
 @pytest.mark.parametrize(
@@ -257,7 +263,7 @@ def test_booleans(var: str, value: str, expected: list[str]) -> None:
     command = build(with_model(**{var: value}))
     assert flags(command) == expected
     # A switch left off is not on the command line, so it has no source either.
-    assert (("--" + var.lower().replace("_", "-")) in command.sources) is bool(expected)
+    assert (("--" + var.lower().replace("_", "-")) in sources(command)) is bool(expected)
 
 
 @pytest.mark.parametrize("value", ["enabled", "2", "y", "t", "truee", "-1"])
@@ -283,13 +289,13 @@ def test_bad_booleans_name_variable_value_and_example(var: str, value: str) -> N
 def test_aliases(alias: str, value: str, expected: list[str]) -> None:
     command = build(with_model(**{alias: value}))
     assert flags(command) == expected
-    assert command.sources[expected[0]] == f"alias {alias}"
+    assert sources(command)[expected[0]] == f"alias {alias}"
 
 
 def test_model_name_is_the_positional_model() -> None:
     command = build({"MODEL_NAME": "org/m"})
-    assert command.argv[:3] == ["vllm", "serve", "org/m"]
-    assert command.sources["--model"] == "alias MODEL_NAME"
+    assert list(command.argv)[:3] == ["vllm", "serve", "org/m"]
+    assert sources(command)["--model"] == "alias MODEL_NAME"
 
 
 @pytest.mark.parametrize("alias", sorted(ALIASES))
@@ -313,7 +319,6 @@ def test_model_generic_name_works_alone() -> None:
     ("var", "reason"),
     [
         ("HOST", "pins vLLM's host"),
-        ("PORT", "VLLM_PORT"),
         ("API_KEY", "without a key"),
         ("HELP", "print its help"),
         ("CONFIG", "VLLM_CONFIG_FILE"),
@@ -330,19 +335,21 @@ def test_reserved_variables_are_ignored_with_the_reason(var: str, reason: str) -
 
 def test_host_and_port_are_the_workers() -> None:
     command = build(with_model(HOST="0.0.0.0", PORT="9"), host="127.0.0.2", port=8001)
-    assert command.argv[-4:] == ["--host", "127.0.0.2", "--port", "8001"]
+    assert list(command.argv)[-4:] == ["--host", "127.0.0.2", "--port", "8001"]
+    # PORT is the worker's own setting (the port it serves on), never vLLM's flag: no warning.
+    assert not any(w.startswith("PORT") for w in command.warnings)
 
 
 def test_hf_token_stays_in_the_environment() -> None:
     command = build(with_model(HF_TOKEN="hf_abcdefgh"))
     assert "hf_abcdefgh" not in " ".join(command.argv)
     assert "--hf-token" not in command.argv
-    assert command.warnings == []
+    assert command.warnings == ()
 
 
 def test_token_thresholds_are_counts_not_secrets() -> None:
     command = build(with_model(LONG_PREFILL_TOKEN_THRESHOLD="2048"))
-    assert command.argv[command.argv.index("--long-prefill-token-threshold") + 1] == "2048"
+    assert list(command.argv)[command.argv.index("--long-prefill-token-threshold") + 1] == "2048"
 
 
 # -- retired flags -------------------------------------------------------------------------
@@ -372,7 +379,7 @@ def test_the_catalog_wins_over_the_retired_table() -> None:
     )
     command = build(with_model(SWAP_SPACE="4"), catalog)
     assert flags(command) == ["--swap-space", "4"]
-    assert command.warnings == []
+    assert command.warnings == ()
 
 
 def test_retired_names_are_really_absent_from_vllm_0_32() -> None:
@@ -384,17 +391,17 @@ def test_retired_names_are_really_absent_from_vllm_0_32() -> None:
 def test_explicit_config_file() -> None:
     files = {"/cfg/v.yaml": "max-model-len: 8192\nenforce_eager: true\n"}
     command = build(with_model(VLLM_CONFIG_FILE="/cfg/v.yaml", DTYPE="auto"), files=files)
-    assert command.argv[2:5] == ["org/model", "--config", "/cfg/v.yaml"]
+    assert list(command.argv)[2:5] == ["org/model", "--config", "/cfg/v.yaml"]
     assert flags(command)[2:] == ["--dtype", "auto"]
-    assert command.sources["--config"] == "env VLLM_CONFIG_FILE"
-    assert command.sources["--max-model-len"] == "config file /cfg/v.yaml"
-    assert command.sources["--enforce-eager"] == "config file /cfg/v.yaml"
+    assert sources(command)["--config"] == "env VLLM_CONFIG_FILE"
+    assert sources(command)["--max-model-len"] == "config file /cfg/v.yaml"
+    assert sources(command)["--enforce-eager"] == "config file /cfg/v.yaml"
 
 
 def test_default_config_file_is_used_when_present() -> None:
     command = build(with_model(), files={"/vllm_config.yaml": "seed: 1\n"})
-    assert command.argv[3:5] == ["--config", "/vllm_config.yaml"]
-    assert command.sources["--config"] == "worker"
+    assert list(command.argv)[3:5] == ["--config", "/vllm_config.yaml"]
+    assert sources(command)["--config"] == "worker"
 
 
 def test_no_default_config_file_no_config_flag() -> None:
@@ -407,12 +414,12 @@ def test_env_flags_come_after_the_config_file_so_they_win() -> None:
         files={"/c.yml": "max-model-len: 8192\n"},
     )
     assert command.argv.index("--max-model-len") > command.argv.index("--config")
-    assert command.sources["--max-model-len"] == "env MAX_MODEL_LEN"
+    assert sources(command)["--max-model-len"] == "env MAX_MODEL_LEN"
 
 
 def test_a_model_in_the_config_file_counts_as_a_model() -> None:
     command = build({"VLLM_CONFIG_FILE": "/c.yaml"}, files={"/c.yaml": "model: org/m\n"})
-    assert command.argv[2:4] == ["--config", "/c.yaml"]
+    assert list(command.argv)[2:4] == ["--config", "/c.yaml"]
     assert not any("no model" in w for w in command.warnings)
 
 
@@ -455,7 +462,7 @@ def test_config_file_port_is_overridden_and_unknown_keys_warn() -> None:
     command = build(
         with_model(VLLM_CONFIG_FILE="/c.yaml"), files={"/c.yaml": "port: 9\nfoo-bar: 1\n"}
     )
-    assert command.argv[-1] == "8000"
+    assert list(command.argv)[-1] == "8000"
     text = "\n".join(command.warnings)
     assert "--port in /c.yaml" in text and "overridden" in text
     assert "'foo-bar' is not a flag" in text
@@ -465,8 +472,8 @@ def test_config_file_port_is_overridden_and_unknown_keys_warn() -> None:
 def test_extra_args_come_last_before_the_pinned_host_and_port() -> None:
     command = build(with_model(MAX_MODEL_LEN="1", VLLM_EXTRA_ARGS="--seed 3 --chat-template 'a b'"))
     assert flags(command) == ["--max-model-len", "1", "--seed", "3", "--chat-template", "a b"]
-    assert command.sources["--seed"] == "VLLM_EXTRA_ARGS"
-    assert list(command.sources)[-2:] == ["--host", "--port"]
+    assert sources(command)["--seed"] == "VLLM_EXTRA_ARGS"
+    assert list(sources(command))[-2:] == ["--host", "--port"]
 
 
 @pytest.mark.parametrize(
@@ -475,7 +482,7 @@ def test_extra_args_come_last_before_the_pinned_host_and_port() -> None:
 def test_extra_args_replace_the_same_flag_from_variables(extra: str) -> None:
     command = build(with_model(MAX_MODEL_LEN="1", VLLM_EXTRA_ARGS=extra))
     assert "1" not in flags(command)
-    assert command.sources["--max-model-len"] == "VLLM_EXTRA_ARGS"
+    assert sources(command)["--max-model-len"] == "VLLM_EXTRA_ARGS"
     assert any("MAX_MODEL_LEN='1' is overridden by VLLM_EXTRA_ARGS" in w for w in command.warnings)
 
 
@@ -489,8 +496,8 @@ def test_extra_args_short_alias_and_negative_replace_variables() -> None:
 
 def test_extra_args_model_replaces_the_positional() -> None:
     command = build(with_model(VLLM_EXTRA_ARGS="--model other/m"))
-    assert command.argv[2:4] == ["--model", "other/m"]
-    assert command.sources["--model"] == "VLLM_EXTRA_ARGS"
+    assert list(command.argv)[2:4] == ["--model", "other/m"]
+    assert sources(command)["--model"] == "VLLM_EXTRA_ARGS"
 
 
 def test_extra_args_unknown_flags_pass_through() -> None:
@@ -518,7 +525,7 @@ def test_bad_extra_args(extra: str, needle: str) -> None:
 
 def test_extra_args_port_is_overridden_by_the_worker() -> None:
     command = build(with_model(VLLM_EXTRA_ARGS="--port 9"))
-    assert command.argv[-2:] == ["--port", "8000"]
+    assert list(command.argv)[-2:] == ["--port", "8000"]
     assert any("--port in VLLM_EXTRA_ARGS is overridden" in w for w in command.warnings)
 
 
@@ -594,13 +601,14 @@ def test_baked_model_overrides_the_variables_and_goes_offline() -> None:
         {"MODEL_NAME": "org/other", "TOKENIZER_NAME": "", "MODEL_REVISION": "main"},
         files={"/local_model_args.json": json.dumps(baked)},
     )
-    assert command.argv[2] == "/models/x"
+    assert list(command.argv)[2] == "/models/x"
     assert flags(command) == [
         "--enforce-eager", "--max-model-len", "2048",
         "--revision", "main", "--tokenizer", "/models/x",
     ]
     assert command.env_overrides == {"HF_HUB_OFFLINE": "1"}
-    assert command.sources["--model"] == "alias MODEL_NAME (baked /local_model_args.json)"
+    assert sources(command)["--model"] == (
+        "MODEL_NAME in /local_model_args.json (the model baked into the image)")
 
 
 @pytest.mark.parametrize(("text", "needle"), [("{oops", "not readable JSON"), ("[]", "list")])

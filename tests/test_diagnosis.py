@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.launches import launch_of
 from worker.diagnosis import Diagnosis, diagnose
 
 FAILURE_LOGS = Path(__file__).parent / "data" / "failure_logs"
 TAIL = 400
-
-
 def fixture(name: str, replace: Mapping[str, str] | None = None) -> tuple[str, ...]:
     text = (FAILURE_LOGS / name).read_text(encoding="utf-8")
     for old, new in (replace or {}).items():
@@ -155,11 +154,13 @@ class Case:
     fix_lacks: tuple[str, ...] = ()
     exit_code: int | None = 1
     env: Mapping[str, str] = field(default_factory=dict)
-    sources: Mapping[str, str] = field(default_factory=dict)
+    """The variables the user set (the command and its sources are built from them)."""
+    config: Mapping[str, object] | None = None
+    """The keys of a config file at /vllm_config.yaml, when the user mounted one."""
     recoverable: bool = False
 
 
-MODEL_SOURCES = {"--model": "alias MODEL_NAME", "--max-model-len": "env MAX_MODEL_LEN"}
+MODEL_ENV = {"MODEL_NAME": "Qwen/Qwen3-8B", "MAX_MODEL_LEN": "100000"}
 
 CASES = [
     # ---- out of memory ----
@@ -177,7 +178,7 @@ CASES = [
             "quantized",
             "TENSOR_PARALLEL_SIZE",
         ),
-        sources=MODEL_SOURCES,
+        env=MODEL_ENV,
         recoverable=True,
     ),
     Case(
@@ -228,7 +229,7 @@ CASES = [
             "TENSOR_PARALLEL_SIZE",
             "VLLM_CPU_KVCACHE_SPACE",
         ),
-        sources=MODEL_SOURCES,
+        env=MODEL_ENV,
         recoverable=True,
     ),
     Case(
@@ -247,7 +248,7 @@ CASES = [
         "out_of_memory",
         cause_has=("131072", "76448", "9.34 GiB"),
         fix_has=("--max-model-len 76448 in VLLM_EXTRA_ARGS",),
-        sources={"--max-model-len": "VLLM_EXTRA_ARGS"},
+        env={"VLLM_EXTRA_ARGS": "--max-model-len 131072"},
         recoverable=True,
     ),
     Case(
@@ -257,7 +258,6 @@ CASES = [
         fix_has=("KV_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN=640"),
         fix_lacks=("raise GPU_MEMORY_UTILIZATION",),
         env={"KV_CACHE_MEMORY_BYTES": "200000"},
-        sources={"--kv-cache-memory-bytes": "env KV_CACHE_MEMORY_BYTES"},
         recoverable=True,
     ),
     Case(
@@ -279,7 +279,7 @@ CASES = [
             "KV_CACHE_MEMORY_BYTES",
             "VLLM_CPU_KVCACHE_SPACE",
         ),
-        sources={"--gpu-memory-utilization": "env GPU_MEMORY_UTILIZATION"},
+        env={"GPU_MEMORY_UTILIZATION": "0.99"},
     ),
     Case(
         "cpu-kv-cache-space-above-free-ram",
@@ -309,14 +309,14 @@ CASES = [
         "max_model_len_too_large",
         cause_has=("100000", "max_position_embeddings=4096"),
         fix_has=("MAX_MODEL_LEN to 4096 or less", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
-        sources=MODEL_SOURCES,
+        env=MODEL_ENV,
     ),
     Case(
         "max-model-len-from-the-config-file",
         fixture("max_model_len_too_large.log"),
         "max_model_len_too_large",
         fix_has=("max-model-len in the config file /vllm_config.yaml", "4096"),
-        sources={"--max-model-len": "config file /vllm_config.yaml"},
+        config={"max-model-len": 100000},
     ),
     # ---- bad arguments ----
     Case(
@@ -326,7 +326,7 @@ CASES = [
         cause_has=("unrecognized arguments: --foo 1",),
         fix_has=("--foo came from VLLM_EXTRA_ARGS", "remove it"),
         exit_code=2,
-        sources={"--foo": "VLLM_EXTRA_ARGS", "--max-model-len": "env MAX_MODEL_LEN"},
+        env={"VLLM_EXTRA_ARGS": "--foo 1", "MAX_MODEL_LEN": "4096"},
     ),
     Case(
         "retired-task-flag-with-vllm-hint",
@@ -342,7 +342,7 @@ CASES = [
         fix_has=("--task came from VLLM_EXTRA_ARGS",),
         fix_lacks=("--runner", "--convert"),
         exit_code=2,
-        sources={"--task": "VLLM_EXTRA_ARGS"},
+        env={"VLLM_EXTRA_ARGS": "--task embed"},
     ),
     Case(
         "invalid-choice-from-env",
@@ -354,7 +354,7 @@ CASES = [
         cause_has=("invalid choice: 'fp16'", "'float16'"),
         fix_has=("--dtype came from env DTYPE",),
         exit_code=2,
-        sources={"--dtype": "env DTYPE"},
+        env={"DTYPE": "float16"},
     ),
     Case(
         "bool-flag-given-a-value",
@@ -366,7 +366,7 @@ CASES = [
         fix_has=("--enforce-eager came from VLLM_EXTRA_ARGS",),
         fix_lacks=("--no-enforce-eager",),
         exit_code=2,
-        sources={"--enforce-eager": "VLLM_EXTRA_ARGS"},
+        env={"VLLM_EXTRA_ARGS": "--enforce-eager true"},
     ),
     Case(
         "flag-without-its-value",
@@ -374,7 +374,7 @@ CASES = [
         "bad_argument",
         fix_has=("--max-model-len came from config file /vllm_config.yaml",),
         exit_code=2,
-        sources={"--max-model-len": "config file /vllm_config.yaml"},
+        config={"max-model-len": 100000},
     ),
     Case(
         "invalid-int-short-option",
@@ -382,7 +382,7 @@ CASES = [
         "bad_argument",
         fix_has=("--tensor-parallel-size came from env TENSOR_PARALLEL_SIZE",),
         exit_code=2,
-        sources={"--tensor-parallel-size": "env TENSOR_PARALLEL_SIZE"},
+        env={"TENSOR_PARALLEL_SIZE": "two"},
     ),
     Case(
         "ambiguous-abbreviation",
@@ -401,7 +401,7 @@ CASES = [
         "bad_argument",
         fix_has=("--max-num-seqs came from env MAX_NUM_SEQS",),
         exit_code=None,
-        sources={"--max-num-seqs": "env MAX_NUM_SEQS"},
+        env={"MAX_NUM_SEQS": "abc"},
     ),
     Case(
         "pydantic-field-out-of-range",
@@ -409,7 +409,7 @@ CASES = [
         "bad_argument",
         cause_has=("gpu_memory_utilization: Input should be less than or equal to 1",),
         fix_has=("--gpu-memory-utilization came from env GPU_MEMORY_UTILIZATION",),
-        sources={"--gpu-memory-utilization": "env GPU_MEMORY_UTILIZATION"},
+        env={"GPU_MEMORY_UTILIZATION": "0.99"},
     ),
     Case(
         "pydantic-validator-naming-two-flags",
@@ -420,10 +420,7 @@ CASES = [
             "--max-num-batched-tokens came from env MAX_NUM_BATCHED_TOKENS",
             "--max-num-seqs came from VLLM_EXTRA_ARGS",
         ),
-        sources={
-            "--max-num-batched-tokens": "env MAX_NUM_BATCHED_TOKENS",
-            "--max-num-seqs": "VLLM_EXTRA_ARGS",
-        },
+        env={"MAX_NUM_BATCHED_TOKENS": "8", "VLLM_EXTRA_ARGS": "--max-num-seqs 16"},
     ),
     Case(
         "config-value-error-naming-a-flag",
@@ -437,7 +434,7 @@ CASES = [
         ),
         "bad_argument",
         fix_has=("--data-parallel-size-local came from env DATA_PARALLEL_SIZE_LOCAL",),
-        sources={"--data-parallel-size-local": "env DATA_PARALLEL_SIZE_LOCAL"},
+        env={"DATA_PARALLEL_SIZE_LOCAL": "4"},
     ),
     # ---- the model: not found, gated, revision, offline ----
     Case(
@@ -446,7 +443,7 @@ CASES = [
         "model_not_found",
         cause_has=("Qwen/Qwen3-0.6B-Instrukt", "is not a local folder", "HF_TOKEN is not set"),
         fix_has=("MODEL_NAME", "full `org/repo` id"),
-        sources=MODEL_SOURCES,
+        env=MODEL_ENV,
     ),
     Case(
         "tokenizer-repo-not-found",
@@ -459,8 +456,8 @@ CASES = [
             "MODEL_NAME": "Qwen/Qwen3-0.6B",
             "TOKENIZER_NAME": "acme/tokenizer-typo",
             "HF_TOKEN": "hf_x",
+            "MAX_MODEL_LEN": "100000",
         },
-        sources={**MODEL_SOURCES, "--tokenizer": "alias TOKENIZER_NAME"},
     ),
     Case(
         "local-path-that-does-not-exist",
@@ -478,7 +475,7 @@ CASES = [
         "model_not_found",
         cause_has=("'Qwen/Qwen3 8B' is not a valid Hugging Face repo id",),
         fix_has=("MODEL", "namespace/name"),
-        sources={"--model": "env MODEL"},
+        env={"MODEL": "Qwen/Qwen3 8B"},
     ),
     Case(
         "local-dir-without-config",
@@ -564,7 +561,6 @@ CASES = [
         cause_has=("v2.0", "Qwen/Qwen3-8B"),
         fix_has=("MODEL_REVISION",),
         env={"MODEL_REVISION": "v2.0"},
-        sources={"--revision": "alias MODEL_REVISION"},
     ),
     Case(
         "offline-and-not-cached",
@@ -572,8 +568,7 @@ CASES = [
         "offline_not_cached",
         cause_has=("Qwen/Qwen3-0.6B", "outgoing traffic has been disabled"),
         fix_has=("HF_HUB_OFFLINE", "MODEL_NAME"),
-        env={"HF_HUB_OFFLINE": "1", "MODEL_NAME": "Qwen/Qwen3-0.6B"},
-        sources=MODEL_SOURCES,
+        env={"HF_HUB_OFFLINE": "1", "MODEL_NAME": "Qwen/Qwen3-0.6B", "MAX_MODEL_LEN": "100000"},
     ),
     Case(
         "offline-cache-miss-reported-as-connection-error",
@@ -704,7 +699,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_diagnose(case: Case) -> None:
-    diagnosis = diagnose(case.lines, case.exit_code, case.env, case.sources)
+    diagnosis = diagnose(case.lines, case.exit_code, launch_of(case.env, case.config))
     if case.kind is None:
         assert diagnosis is None, diagnosis
         return
@@ -726,7 +721,7 @@ OOM = fixture("gpu_cuda_oom_profile_run.log")
 
 
 def test_the_list_of_supported_architectures_is_not_repeated() -> None:
-    diagnosis = diagnose(fixture("unsupported_architecture.log"), 1, {})
+    diagnosis = diagnose(fixture("unsupported_architecture.log"), 1, launch_of())
     assert diagnosis is not None
     assert "LlamaForCausalLM" not in diagnosis.message
     assert "Supported architectures" not in diagnosis.message
@@ -740,13 +735,14 @@ def test_an_error_printed_at_interpreter_exit_is_not_the_root() -> None:
         f'  File "{SP}/zmq/sugar/socket.py", line 185, in __del__',
         "AttributeError: 'NoneType' object has no attribute 'close'",
     ]
-    diagnosis = diagnose(tail, 1, {})
+    diagnosis = diagnose(tail, 1, launch_of())
     assert diagnosis is not None and diagnosis.kind == "out_of_memory"
 
 
 def test_an_interruption_after_the_failure_is_not_the_root() -> None:
     diagnosis = diagnose(
-        [*OOM, "Traceback (most recent call last):", *frames(IN_CONFIG), "KeyboardInterrupt"], 1, {}
+        [*OOM, "Traceback (most recent call last):", *frames(IN_CONFIG), "KeyboardInterrupt"], 1,
+        launch_of(),
     )
     assert diagnosis is not None and diagnosis.kind == "out_of_memory"
 
@@ -763,7 +759,7 @@ def test_lines_of_other_processes_between_traceback_lines_are_skipped() -> None:
     raised_at = next(i for i, line in enumerate(tail) if "ValueError: Laguna" in line)
     interleaved = log("APIServer pid=7", "INFO", "launcher.py:46", "Waiting for the engine...")
     tail = [*tail[:raised_at], interleaved, *tail[raised_at:]]
-    diagnosis = diagnose(tail, 1, {})
+    diagnosis = diagnose(tail, 1, launch_of())
     assert diagnosis is not None and diagnosis.kind == "model_requirement"
 
 
@@ -776,7 +772,7 @@ def test_a_traceback_cut_by_the_tail_still_has_its_frames() -> None:
         )
         if not line.endswith("[core.py:1510] Traceback (most recent call last):")
     ]
-    diagnosis = diagnose(tail, 1, {})
+    diagnosis = diagnose(tail, 1, launch_of())
     assert diagnosis is not None and diagnosis.kind == "model_requirement"
 
 
@@ -793,20 +789,20 @@ def test_a_later_log_record_of_the_same_process_is_not_part_of_the_message() -> 
     )
     raised_at = next(i for i, line in enumerate(tail) if "ValueError: Laguna" in line)
     tail.insert(raised_at + 1, died.replace("12:00:01", "12:00:03"))
-    diagnosis = diagnose(tail, 1, {})
+    diagnosis = diagnose(tail, 1, launch_of())
     assert diagnosis is not None and diagnosis.kind == "model_requirement"
     assert "died" not in diagnosis.message
 
 
 def test_argparse_exit_code_alone_identifies_its_error_line() -> None:
-    diagnosis = diagnose(["vllm: error: unrecognized arguments: --foo"], 2, {})
+    diagnosis = diagnose(["vllm: error: unrecognized arguments: --foo"], 2, launch_of())
     assert diagnosis is not None and diagnosis.kind == "bad_argument"
 
 
 def test_colored_output_is_read_like_plain_output() -> None:
     colored = [line.replace(" ERROR ", " \x1b[1;31mERROR\x1b[0m ", 1) for line in OOM]
-    plain = diagnose(OOM, 1, {})
-    assert diagnose(colored, 1, {}) == plain
+    plain = diagnose(OOM, 1, launch_of())
+    assert diagnose(colored, 1, launch_of()) == plain
 
 
 def test_only_the_tail_matters_for_a_later_unrelated_root() -> None:
@@ -815,7 +811,7 @@ def test_only_the_tail_matters_for_a_later_unrelated_root() -> None:
         ["RuntimeError: The scheduler found an inconsistent block table"],
         ("vllm/v1/core/sched/scheduler.py", 412, "schedule"),
     )
-    assert diagnose([*OOM, *later], 1, {}) is None
+    assert diagnose([*OOM, *later], 1, launch_of()) is None
 
 
 def test_diagnosis_is_a_frozen_value() -> None:
@@ -834,13 +830,39 @@ def test_every_fixture_is_used() -> None:
 
 def test_hub_failures_are_worded_as_the_preflight_words_them() -> None:
     """One place builds the message of a hub failure, before a start or after a crash."""
-    from worker.preflight import not_found_message
+    from worker.hub_messages import not_found_message
 
     tail = [
         "(APIServer pid=1) ERROR 11-30 12:00:00 [api_server.py:1] Error",
         "huggingface_hub.errors.RepositoryNotFoundError: 404 Client Error. "
         "Repository Not Found for url: https://huggingface.co/api/models/acme/missing/revision/main.",
     ]
-    diagnosis = diagnose(tail, 1, {"MODEL_NAME": "acme/missing"})
+    diagnosis = diagnose(tail, 1, launch_of({"MODEL_NAME": "acme/missing"}))
     assert diagnosis is not None
     assert diagnosis.fix == not_found_message("acme/missing", "MODEL_NAME").fix
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        [
+            "Traceback (most recent call last):",
+            '  File "/usr/lib/python3.12/shutil.py", line 200, in copyfile',
+            "OSError: [Errno 28] No space left on device",
+        ],
+        ["(EngineCore pid=42) OSError: [Errno 28] No space left on device: '/vol/vllm-cache/x'"],
+        ["RuntimeError: Data processing error: I/O error: No space left on device (os error 28)"],
+        ["\x1b[1;31mOSError: [Errno 28] No space left on device\x1b[0m"],
+    ],
+)
+def test_disk_full_is_recognised(tail: list[str]) -> None:
+    diagnosis = diagnose(tail, 1, launch_of())
+    assert diagnosis is not None and diagnosis.kind == "disk_full"
+
+
+def test_a_warning_about_a_full_disk_is_not_the_failure() -> None:
+    # vLLM warns when a cache write fails and goes on: the root error is elsewhere.
+    tail = ["WARNING 11-30 12:00:01 [compile.py:12] cache write failed: No space left on device",
+            "RuntimeError: The scheduler found an inconsistent block table"]
+    assert diagnose(tail, 1, launch_of()) is None
+

@@ -48,6 +48,8 @@ from worker.errors import ConfigError
 from worker.handler import Proxy
 from worker.settings import Settings
 
+PORT = 8000  # vLLM's port in these tests (VLLM_PORT)
+
 # The error types errors.py documents, and those a job can get from the proxy.
 DOCUMENTED_ERROR_TYPES = frozenset({
     "invalid_request", "vllm_error", "backend_unavailable", "timeout",
@@ -207,7 +209,8 @@ def harness() -> Iterator[Harness]:
     # A loop of our own, never installed as the current one, so pytest-asyncio's are untouched.
     loop = asyncio.new_event_loop()
     backend = Backend()
-    proxy = Proxy(Settings(), served_model=MODEL, transport=httpx.MockTransport(backend))
+    proxy = Proxy(Settings(vllm_port=PORT), served_model=MODEL,
+                  transport=httpx.MockTransport(backend))
     harness = Harness(loop, backend, proxy)
     loop.set_exception_handler(lambda _loop, context: harness.loop_errors.append(context))
     try:
@@ -299,8 +302,8 @@ def route_acceptable(route: object) -> bool:
 def check_request(request: httpx.Request) -> None:
     """A request that reached the backend is for the local vLLM, on a safe path."""
     url = request.url
-    assert (url.scheme, url.host, url.port) == ("http", "127.0.0.1", 8000), url
-    assert request.headers["host"] == "127.0.0.1:8000"
+    assert (url.scheme, url.host, url.port) == ("http", "127.0.0.1", PORT), url
+    assert request.headers["host"] == f"127.0.0.1:{PORT}"
     assert request.method in {"GET", "POST", "DELETE"}, request.method
     raw = url.raw_path.decode("ascii")
     assert not any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in raw), raw
@@ -706,7 +709,7 @@ def test_batch_defaults_from_the_environment(
     # The worker's own batching defaults come from the environment: a value is either
     # refused at start (ConfigError, reported as startup_error) or safe for every stream.
     try:
-        worker_settings = Settings.from_env(env)
+        worker_settings = Settings.from_env({**env, "VLLM_PORT": str(PORT)})
     except ConfigError:
         return
     proxy = Proxy(worker_settings, served_model=MODEL, transport=httpx.MockTransport(

@@ -16,6 +16,12 @@ from worker.handler import Proxy
 from worker.settings import Settings
 
 
+def mocked_proxy(router: respx.MockRouter) -> Proxy:
+    """A proxy to vLLM on 127.0.0.1:8000, answered by ``router``."""
+    return Proxy(Settings(vllm_port=8000), served_model="m",
+                 transport=httpx.MockTransport(router.handler))
+
+
 @pytest.fixture(scope="module")
 def backend() -> Iterator[FakeOpenAI]:
     with FakeOpenAI() as fake:
@@ -208,7 +214,7 @@ async def test_invalid_requests_are_rejected_without_sending(
 ) -> None:
     with respx.mock(assert_all_called=False) as router:
         route = router.route().respond(200, json={})
-        p = Proxy(Settings(), served_model="m", transport=httpx.MockTransport(router.handler))
+        p = mocked_proxy(router)
         items = await run(p, job_input)
         await p.aclose()
         assert not route.called
@@ -221,7 +227,7 @@ async def test_openai_route_without_input_is_a_get() -> None:
     router = respx.MockRouter()
     models = router.get("http://127.0.0.1:8000/v1/models").respond(
         200, json={"data": [{"id": "m"}]})
-    p = Proxy(Settings(), served_model="m", transport=httpx.MockTransport(router.handler))
+    p = mocked_proxy(router)
     items = await run(p, {"openai_route": "/v1/models"})
     await p.aclose()
     assert models.called and items == [{"data": [{"id": "m"}]}]
@@ -231,7 +237,7 @@ async def test_stream_options_include_usage_added_for_prompt_streams() -> None:
     router = respx.MockRouter()
     call = router.post("http://127.0.0.1:8000/v1/completions").respond(
         200, text="data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
-    p = Proxy(Settings(), served_model="m", transport=httpx.MockTransport(router.handler))
+    p = mocked_proxy(router)
     items = await run(p, {"prompt": "x", "stream": True})
     await p.aclose()
     sent = json.loads(call.calls[0].request.content)

@@ -23,23 +23,22 @@ import huggingface_hub
 import pytest
 from huggingface_hub.utils import _http as hub_http
 
+from tests.launches import NO_BAKED, launch_of
 from worker.errors import StartupError
-from worker.preflight import (
+from worker.hub_messages import (
     HubMessage,
     disabled_message,
     gated_message,
     invalid_token_message,
     not_found_message,
-    plan_hub_checks,
-    preflight,
     revision_not_found_message,
 )
+from worker.preflight import plan_hub_checks, preflight
 
 # The HTTP library huggingface_hub uses (httpx2 in 2.x, httpx in 1.x).
 HTTP: Any = getattr(hub_http, "httpx2", None) or getattr(hub_http, "httpx")  # noqa: B009
 API = "https://huggingface.co/api/models"
 TOKEN = "hf_SecretTokenValue123"
-NO_BAKED = "/nonexistent/local_model_args.json"
 
 Handler = Callable[[Any], Any]
 
@@ -98,9 +97,9 @@ def env_of(**values: str) -> dict[str, str]:
     return {"HF_HOME": "/nonexistent/hf-home", **values}
 
 
-async def run(env: dict[str, str], **kwargs: Any) -> Any:
-    kwargs.setdefault("baked_args_path", NO_BAKED)
-    return await preflight(env, **kwargs)
+async def run(env: dict[str, str], *, baked_args_path: str = NO_BAKED, **kwargs: Any) -> Any:
+    launch = launch_of(env, baked_args_path=baked_args_path)
+    return await preflight(launch.command, launch.hub, **kwargs)
 
 
 PUBLIC = {"id": "Qwen/Qwen3-0.6B", "gated": False, "private": False, "sha": "abc123"}
@@ -128,12 +127,13 @@ async def test_no_agent_registry_request_even_with_nothing_cached(
     from huggingface_hub.utils import _detect_agent
 
     monkeypatch.setattr(_detect_agent, "_registry", None)
-    assert not Path(constants.AGENT_HARNESSES_PATH).exists()
+    registry = Path(constants.AGENT_HARNESSES_PATH)
+    assert not await asyncio.to_thread(registry.exists)
     hub.on(f"{API}/Qwen/Qwen3-0.6B", json_body=PUBLIC)
     result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B"))
     assert result.ok
     assert hub.urls == [f"{API}/Qwen/Qwen3-0.6B"]
-    assert not Path(constants.AGENT_HARNESSES_PATH).exists()
+    assert not await asyncio.to_thread(registry.exists)
 
 
 async def test_revision_is_asked_for(hub: FakeHub) -> None:
@@ -289,6 +289,27 @@ async def test_tokenizer_and_lora_failures_name_their_variables(hub: FakeHub) ->
     assert "LORA_MODULES entry \"local\"" not in result.startup_error.message
 
 
+async def test_a_model_set_in_extra_args_is_the_one_checked(hub: FakeHub) -> None:
+    # VLLM_EXTRA_ARGS wins over MODEL_NAME in the command: vLLM loads other/model, so that is
+    # the repo to ask about, and the fix names where it was set.
+    hub.on(f"{API}/other/model", 404, headers={"X-Error-Code": "RepoNotFound"})
+    result = await run(env_of(MODEL_NAME="acme/model", VLLM_EXTRA_ARGS="--model other/model"))
+    assert result.checked == ("other/model",)
+    assert result.errors == (
+        not_found_message("other/model", "--model in VLLM_EXTRA_ARGS").message,
+    )
+
+
+async def test_a_model_set_in_the_config_file_is_the_one_checked(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    config = tmp_path / "vllm.yaml"
+    config.write_text("model: other/model\nrevision: v3\n")
+    hub.on(f"{API}/other/model/revision/v3", json_body=PUBLIC)
+    result = await run(env_of(VLLM_CONFIG_FILE=str(config)))
+    assert result.ok and result.checked == ("other/model@v3",)
+
+
 async def test_tokenizer_revision_defaults_to_the_model_revision(hub: FakeHub) -> None:
     # vLLM uses the model's revision for another tokenizer repo when TOKENIZER_REVISION is unset.
     hub.on(f"{API}/acme/model/revision/v2", json_body=PUBLIC)
@@ -425,8 +446,6 @@ async def test_a_hanging_request_neither_blocks_the_loop_nor_outlives_the_deadli
         pytest.param({"MODEL_NAME": "acme/model", "VLLM_USE_MODELSCOPE": "true"},
                      id="modelscope"),
         pytest.param({"MODEL_NAME": "acme/model-GGUF:Q4_K_M"}, id="not-a-repo-id"),
-        pytest.param({"MODEL_NAME": "acme/model", "VLLM_EXTRA_ARGS": "--model other/model"},
-                     id="extra-args-win"),
         pytest.param({"LORA_MODULES": '[{"name": "a", "path": "/loras/a"}]'}, id="local-lora"),
         pytest.param({}, id="no-model"),
     ],
@@ -443,7 +462,7 @@ async def test_no_request_for_a_baked_model(hub: FakeHub, tmp_path: Path) -> Non
     result = await run(env_of(MODEL_NAME="acme/model"), baked_args_path=str(baked))
     assert hub.requests == []
     assert result.skipped == (
-        f"the model is baked into the image ({baked}); vLLM runs offline",
+        "the model is baked into the image (/models/llama); vLLM runs offline",
     )
 
 
@@ -460,8 +479,8 @@ async def test_timeout_zero_turns_the_check_off(hub: FakeHub) -> None:
 
 
 def test_plan_reads_lora_name_path_words() -> None:
-    plan = plan_hub_checks({"LORA_MODULES": "sql=acme/sql-lora local=/loras/x"},
-                           baked_args_path=NO_BAKED)
+    launch = launch_of({"LORA_MODULES": "sql=acme/sql-lora local=/loras/x"})
+    plan = plan_hub_checks(launch.command, launch.hub)
     assert [(t.repo, t.variable) for t in plan.targets] == [
         ("acme/sql-lora", 'the path of LORA_MODULES entry "sql"'),
     ]

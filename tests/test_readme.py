@@ -24,7 +24,7 @@ import pytest
 import worker.errors
 from tests.conftest import load_script
 from tests.worker_process import base_env
-from worker.diagnosis import _RULES
+from worker.diagnosis.rules import RULES
 from worker.errors import WorkerError
 from worker.settings import SETTINGS
 
@@ -181,7 +181,7 @@ def test_error_examples_have_the_fields_of_their_type() -> None:
 
 def startup_kinds() -> set[str]:
     """Every `kind` a startup_error can carry: diagnosis rules, hub pre-flight, server."""
-    kinds = {rule.kind for rule in _RULES if rule.explain is not None}
+    kinds = {rule.kind for rule in RULES if rule.explain is not None}
     preflight = (ROOT / "worker" / "preflight.py").read_text()
     kinds |= set(re.findall(r"kind ``(\w+)``", preflight))
     kinds |= set(re.findall(r'kind="(\w+)"', (ROOT / "worker" / "server.py").read_text()))
@@ -241,7 +241,7 @@ def test_variable_to_flag_table_is_what_the_worker_builds() -> None:
         name, value = assignment.split("=", 1)
         command = build_command({"MODEL_NAME": "org/model", name: value}, catalog,
                                 baked_args_path="/nonexistent", config_default="/nonexistent")
-        assert command.argv[3:-4] == shlex.split(flag), row
+        assert list(command.argv[3:-4]) == shlex.split(flag), row
 
 
 def _error_example(kind: str, contains: str = "") -> dict[str, Any]:
@@ -252,6 +252,7 @@ def _error_example(kind: str, contains: str = "") -> dict[str, Any]:
 
 def test_error_examples_are_the_workers_words() -> None:
     """The examples are real messages: rebuilt here from the code (update the README if not)."""
+    from tests.launches import launch_of
     from worker.command import build_command
     from worker.diagnosis import diagnose
     from worker.errors import ConfigError, InvalidRequest
@@ -269,14 +270,15 @@ def test_error_examples_are_the_workers_words() -> None:
     assert _error_example("startup_error", "ENFORCE_EAGER")["message"] == config.value.message
 
     log = (ROOT / "tests" / "data" / "failure_logs" / "max_model_len_too_large.log")
-    diagnosis = diagnose(log.read_text().splitlines(), 1, {"MAX_MODEL_LEN": "100000"},
-                         {"--max-model-len": "env MAX_MODEL_LEN"})
+    diagnosis = diagnose(log.read_text().splitlines(), 1,
+                         launch_of({"MODEL_NAME": "m", "MAX_MODEL_LEN": "100000"}))
     assert diagnosis is not None
     example = _error_example("startup_error", "max_model_len")
     assert (example["message"], example["kind"]) == (diagnosis.message, diagnosis.kind)
 
     handler = (ROOT / "worker" / "handler.py").read_text()
     server = (ROOT / "worker" / "server.py").read_text()
+    policy = (ROOT / "worker" / "policy.py").read_text()
     assert "(REQUEST_TIMEOUT); the request was abandoned." in handler
     assert _error_example("timeout")["message"].endswith(
         "(REQUEST_TIMEOUT); the request was abandoned.")
@@ -284,4 +286,4 @@ def test_error_examples_are_the_workers_words() -> None:
     assert "while serving. Last lines:" in _error_example("backend_unavailable")["message"]
     prestart = _error_example("prestart_failed")["message"]
     assert prestart.startswith("vLLM exited with code 1 during start-up for a reason the worker ")
-    assert "during start-up for a reason the worker " in server
+    assert "during start-up for a reason the worker " in policy

@@ -15,8 +15,10 @@ import pytest
 
 from tests.conftest import StartWorker, free_port
 from tests.fake_job_api import FakeJobApi
-from worker.command import VllmCommand
-from worker.server import _missing_baked_model
+from tests.launches import launch_of
+from worker.build import vllm_environment
+from worker.config import VllmCommand
+from worker.startup import missing_baked_model
 
 
 def fake_vllm(tmp_path: Path, body: str) -> str:
@@ -99,24 +101,21 @@ def test_hub_preflight_ends_a_start_that_cannot_work_while_vllm_loads(
     assert worker.proc.poll() is None  # and the worker stays up to answer
 
 
-def test_a_missing_baked_model_names_the_build_argument() -> None:
-    command = VllmCommand(
-        ["vllm", "serve", "/models/gone"],
-        {"--model": "alias MODEL_NAME (baked /local_model_args.json)"},
-        [],
-        {"HF_HUB_OFFLINE": "1"},
-    )
-    error = _missing_baked_model(command)
+def test_a_missing_baked_model_names_the_build_argument(tmp_path: Path) -> None:
+    baked = tmp_path / "local_model_args.json"
+    baked.write_text('{"MODEL_NAME": "/models/gone"}')
+    command = launch_of({"MODEL_NAME": "acme/model"}, baked_args_path=str(baked)).command
+    error = missing_baked_model(command, path_exists=lambda path: False)
     assert error is not None and error.type == "startup_error"
+    assert error.extra == {"kind": "baked_model_missing"}
     assert "/models/gone" in error.message and "MODEL_NAME build argument" in error.message
-    present = VllmCommand(["vllm", "serve", "/"], dict(command.sources), [], {})
-    assert _missing_baked_model(present) is None
+    assert missing_baked_model(command, path_exists=lambda path: True) is None
+    # A model of the environment is the hub's to find, not a baked one to check.
+    assert missing_baked_model(launch_of({"MODEL_NAME": "/models/gone"}).command) is None
 
 
 def test_vllm_gets_neither_the_platforms_credentials_nor_a_key_it_would_demand() -> None:
-    from worker.server import vllm_environment
-
-    command = VllmCommand(["vllm", "serve", "m"], {}, [], {"HF_HUB_OFFLINE": "1"})
+    command = VllmCommand(("vllm", "serve", "m"), env_overrides={"HF_HUB_OFFLINE": "1"})
     env = {"HF_TOKEN": "hf_x", "RUNPOD_AI_API_KEY": "rp", "RUNPOD_WEBHOOK_GET_JOB": "u",
            "VLLM_API_KEY": "k", "VLLM_PORT": "8000", "PATH": "/bin"}
     child = vllm_environment(env, command)

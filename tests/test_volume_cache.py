@@ -1,4 +1,4 @@
-"""vLLM's cache on the network volume: probed before it is proposed, dropped after a full disk.
+"""vLLM's cache on the network volume: probed before it is proposed.
 
 The tests run as root in CI, and root writes through ``chmod 0o500``; a read-only volume is
 therefore simulated by injecting a probe that fails as a read-only mount does (EROFS), and a
@@ -22,10 +22,8 @@ from worker.volume_cache import (
     CacheChoice,
     choose_cache_root,
     format_bytes,
-    is_disk_full,
     probe_writable,
     volume_cache_path,
-    without_volume_cache,
 )
 
 GiB = 1 << 30
@@ -51,7 +49,7 @@ def failing(code: int) -> Callable[[str], None]:
 
 
 def test_writable_volume_is_proposed(tmp_path: Path) -> None:
-    choice = choose_cache_root({}, base_path=str(tmp_path), statvfs=fake_statvfs(50 * GiB))
+    choice = choose_cache_root(None, base_path=str(tmp_path), statvfs=fake_statvfs(50 * GiB))
     cache = str(tmp_path / "vllm-cache")
     assert choice == CacheChoice(
         cache, f"vLLM's cache goes to the network volume: VLLM_CACHE_ROOT={cache} (50.0 GiB free)",
@@ -64,21 +62,19 @@ def test_writable_volume_is_proposed(tmp_path: Path) -> None:
 
 def test_real_probe_and_statvfs_on_a_temporary_folder(tmp_path: Path) -> None:
     # No injection: the real os.statvfs and write probe (min 1 byte so any tmpfs qualifies).
-    choice = choose_cache_root({"BASE_PATH": str(tmp_path)}, min_free_bytes=1)
+    choice = choose_cache_root(None, base_path=str(tmp_path), min_free_bytes=1)
     assert choice.path == str(tmp_path / "vllm-cache")
     assert choice.free_bytes is not None and choice.free_bytes > 0
 
 
-def test_base_path_variable_wins(tmp_path: Path) -> None:
-    choice = choose_cache_root({"BASE_PATH": str(tmp_path)}, base_path="/nonexistent",
-                               statvfs=fake_statvfs(2 * GiB))
-    assert choice.path == str(tmp_path / "vllm-cache")
-    assert volume_cache_path({"BASE_PATH": str(tmp_path)}) == str(tmp_path / "vllm-cache")
-    assert volume_cache_path({}) == "/runpod-volume/vllm-cache"
+def test_the_cache_goes_under_the_base_path(tmp_path: Path) -> None:
+    choice = choose_cache_root(None, base_path=str(tmp_path), statvfs=fake_statvfs(2 * GiB))
+    assert choice.path == str(tmp_path / "vllm-cache") == volume_cache_path(str(tmp_path))
+    assert volume_cache_path() == "/runpod-volume/vllm-cache"
 
 
 def test_users_own_cache_root_is_kept(tmp_path: Path) -> None:
-    choice = choose_cache_root({"VLLM_CACHE_ROOT": "/data/cache"}, base_path=str(tmp_path))
+    choice = choose_cache_root("/data/cache", base_path=str(tmp_path))
     assert choice == CacheChoice(
         None, "VLLM_CACHE_ROOT is set (/data/cache); the worker leaves it alone"
     )
@@ -88,7 +84,7 @@ def test_users_own_cache_root_is_kept(tmp_path: Path) -> None:
 
 def test_no_volume(tmp_path: Path) -> None:
     missing = tmp_path / "runpod-volume"
-    choice = choose_cache_root({}, base_path=str(missing))
+    choice = choose_cache_root(None, base_path=str(missing))
     assert choice == CacheChoice(None, f"no network volume at {missing}; vLLM keeps its local "
                                        "cache")
 
@@ -96,7 +92,7 @@ def test_no_volume(tmp_path: Path) -> None:
 def test_base_path_that_is_a_file(tmp_path: Path) -> None:
     base = tmp_path / "runpod-volume"
     base.write_text("")
-    choice = choose_cache_root({}, base_path=str(base))
+    choice = choose_cache_root(None, base_path=str(base))
     assert choice.path is None
     assert choice.reason == (f"{base} is not a directory, so no network volume is mounted there; "
                              "vLLM keeps its local cache")
@@ -104,14 +100,14 @@ def test_base_path_that_is_a_file(tmp_path: Path) -> None:
 
 def test_cache_path_taken_by_a_file(tmp_path: Path) -> None:
     (tmp_path / "vllm-cache").write_text("")
-    choice = choose_cache_root({}, base_path=str(tmp_path))
+    choice = choose_cache_root(None, base_path=str(tmp_path))
     assert choice.path is None
     assert "vllm-cache exists and is not a directory" in choice.reason
 
 
 def test_read_only_volume(tmp_path: Path) -> None:
     # Simulated: as root, chmod does not stop writes; a read-only mount fails with EROFS.
-    choice = choose_cache_root({}, base_path=str(tmp_path), statvfs=fake_statvfs(10 * GiB),
+    choice = choose_cache_root(None, base_path=str(tmp_path), statvfs=fake_statvfs(10 * GiB),
                                probe=failing(errno.EROFS))
     cache = tmp_path / "vllm-cache"
     assert choice == CacheChoice(
@@ -124,7 +120,7 @@ def test_folder_that_cannot_be_created(tmp_path: Path) -> None:
     def refuse(path: str) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    choice = choose_cache_root({}, base_path=str(tmp_path), makedirs=refuse)
+    choice = choose_cache_root(None, base_path=str(tmp_path), makedirs=refuse)
     assert choice.reason == (f"cannot create {tmp_path / 'vllm-cache'} (permission denied); "
                              "vLLM keeps its local cache")
 
@@ -161,7 +157,7 @@ def test_really_read_only_folder() -> None:
         os.chmod(cache, 0o555)
 
         def check() -> str:
-            choice = choose_cache_root({}, base_path=base, min_free_bytes=1)
+            choice = choose_cache_root(None, base_path=base, min_free_bytes=1)
             return f"{choice.path}|{choice.reason}"
 
         result = _as_unprivileged(check) if os.geteuid() == 0 else check()
@@ -175,7 +171,7 @@ def test_too_little_room_says_how_much_is_free(tmp_path: Path) -> None:
     def probe(path: str) -> None:
         raise AssertionError("no write probe on a volume that is too small")
 
-    choice = choose_cache_root({}, base_path=str(tmp_path), statvfs=fake_statvfs(300 << 20),
+    choice = choose_cache_root(None, base_path=str(tmp_path), statvfs=fake_statvfs(300 << 20),
                                probe=probe)
     assert choice == CacheChoice(
         None, f"only 300.0 MiB free on the volume at {tmp_path}, less than the 1.0 GiB the cache "
@@ -184,7 +180,7 @@ def test_too_little_room_says_how_much_is_free(tmp_path: Path) -> None:
 
 
 def test_full_volume_found_by_the_probe(tmp_path: Path) -> None:
-    choice = choose_cache_root({}, base_path=str(tmp_path), statvfs=fake_statvfs(2 * GiB),
+    choice = choose_cache_root(None, base_path=str(tmp_path), statvfs=fake_statvfs(2 * GiB),
                                probe=failing(errno.ENOSPC))
     assert choice.path is None
     assert "(no space left on the device)" in choice.reason
@@ -195,46 +191,6 @@ def test_probe_writable_leaves_nothing_behind(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OSError):
         probe_writable(str(tmp_path / "missing"))
-
-
-def test_without_volume_cache_drops_only_the_volume_path() -> None:
-    env = {"BASE_PATH": "/vol", "VLLM_CACHE_ROOT": "/vol/vllm-cache/", "X": "1"}
-    assert without_volume_cache(env) == {"BASE_PATH": "/vol", "X": "1"}
-    assert env["VLLM_CACHE_ROOT"] == "/vol/vllm-cache/"  # the input is not changed
-    assert without_volume_cache({"VLLM_CACHE_ROOT": "/runpod-volume/vllm-cache"}) == {}
-    own = {"VLLM_CACHE_ROOT": "/data/cache"}
-    assert without_volume_cache(own) == own
-
-
-@pytest.mark.parametrize(
-    "tail",
-    [
-        [
-            "Traceback (most recent call last):",
-            '  File "/usr/lib/python3.12/shutil.py", line 200, in copyfile',
-            "OSError: [Errno 28] No space left on device",
-        ],
-        ["(EngineCore pid=42) OSError: [Errno 28] No space left on device: '/vol/vllm-cache/x'"],
-        ["RuntimeError: Data processing error: I/O error: No space left on device (os error 28)"],
-        ["ERROR 11-30 12:00:01 [core.py:1510] torch compile failed: ENOSPC"],
-        ["\x1b[1;31mOSError: [Errno 28] No space left on device\x1b[0m"],
-    ],
-)
-def test_disk_full_is_recognised(tail: list[str]) -> None:
-    assert is_disk_full(tail)
-
-
-@pytest.mark.parametrize(
-    "tail",
-    [
-        ["WARNING 11-30 12:00:01 [compile.py:12] cache write failed: No space left on device",
-         "ValueError: max_model_len is too large"],
-        ["RuntimeError: CUDA out of memory"],
-        [],
-    ],
-)
-def test_other_failures_are_not_disk_full(tail: list[str]) -> None:
-    assert not is_disk_full(tail)
 
 
 def test_format_bytes() -> None:

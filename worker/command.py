@@ -18,23 +18,20 @@ pins so that its proxy finds vLLM.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import re
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from worker.config import FlagSetting, FlagSource, VllmCommand
 from worker.errors import ConfigError
 from worker.flags import Flag, FlagCatalog
-from worker.secrets import SECRET_FLAGS, SecretMasker, is_secret_name
+from worker.render import Rendered, render
+from worker.secrets import SECRET_FLAGS, is_secret_name
 from worker.settings import WORKER_SETTING_NAMES
-
-#: The worker's own settings: never turned into flags, even if vLLM added a flag of that
-#: name. :mod:`worker.settings` owns the table; BASE_PATH belongs to the image build.
-WORKER_SETTINGS_NAMES: frozenset[str] = WORKER_SETTING_NAMES | {"BASE_PATH"}
 
 #: Names kept from the worker's earlier releases; they win over the generic name of the
 #: same flag (``MODEL_NAME`` over ``MODEL``).
@@ -112,37 +109,11 @@ RETIRED: Mapping[str, str] = {
 #: Values that mean "not set" for some flags (earlier releases of the worker used them).
 UNSET_VALUES: Mapping[str, str] = {"MAX_NUM_BATCHED_TOKENS": "0"}
 
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
 _MODEL_FLAG = "--model"
-_LORA_FLAG = "--lora-modules"
-_MM_LIMIT_FLAG = "--limit-mm-per-prompt"
-_LEGACY_MM_LIMIT = re.compile(r"\s*[A-Za-z_][\w-]*\s*=\s*\d+\s*(,\s*[A-Za-z_][\w-]*\s*=\s*\d+\s*)*")
-_LORA_EXAMPLE = 'LORA_MODULES=\'[{"name": "my-adapter", "path": "org/adapter"}]\''
 
 
 def _read_text(path: str) -> str:
     return Path(path).read_text(encoding="utf-8")
-
-
-@dataclass(frozen=True)
-class VllmCommand:
-    """The `vllm serve` command to run, and how it was derived (for the log and diagnosis)."""
-
-    argv: list[str]
-    sources: dict[str, str] = field(default_factory=dict)
-    """flag → where its value came from: ``env MAX_MODEL_LEN``, ``alias MODEL_NAME``, ..."""
-    warnings: list[str] = field(default_factory=list)
-    env_overrides: dict[str, str] = field(default_factory=dict)
-    """Variables the worker must set in vLLM's environment (e.g. ``HF_HUB_OFFLINE=1``)."""
-
-    def shell_line(self, masker: SecretMasker) -> str:
-        """One copy-pastable shell line (env overrides first), with secrets masked."""
-        assignments = [
-            f"{name}={shlex.quote(masker.mask(value))}"
-            for name, value in self.env_overrides.items()
-        ]
-        return " ".join(assignments + [shlex.quote(arg) for arg in masker.mask_argv(self.argv)])
 
 
 @dataclass
@@ -152,7 +123,7 @@ class _Choice:
     flag: Flag
     var: str
     value: str
-    source: str
+    source: FlagSource
     rank: int
 
 
@@ -174,26 +145,33 @@ def build_command(
     (``baked_args_path``) overrides the model variables and makes vLLM run offline.
     """
     warnings: list[str] = []
-    sources: dict[str, str] = {}
+    flags: dict[str, FlagSetting] = {}
     env_overrides: dict[str, str] = {}
 
     values = dict(env)
-    baked_from: dict[str, str] = {}
+    baked: dict[str, str] = {}
     if file_exists(baked_args_path):
         baked = _read_baked_args(baked_args_path, read_text)
+        for name, value in baked.items():
+            mine = env.get(name, "").strip()
+            if mine and mine != value:
+                warnings.append(
+                    f"{name}={mine!r} is replaced by {value!r} from {baked_args_path} (the model "
+                    "baked into the image); rebuild the image to change it"
+                )
         values.update(baked)
-        baked_from = {name: baked_args_path for name in baked}
         env_overrides["HF_HUB_OFFLINE"] = "1"
 
-    config_path, config_keys = _config_file(values, catalog, config_default, file_exists,
-                                             read_text, warnings)
+    config_path, config_flags = _config_file(values, catalog, config_default, file_exists,
+                                              read_text, warnings)
     if config_path is not None:
         explicit = bool(values.get("VLLM_CONFIG_FILE", "").strip())
-        _record(sources, "--config", "env VLLM_CONFIG_FILE" if explicit else "worker")
-        for key in config_keys:
-            _record(sources, key, f"config file {config_path}")
+        source = FlagSource("env", "VLLM_CONFIG_FILE") if explicit else FlagSource("worker")
+        _record(flags, "--config", FlagSetting(source, (config_path,)))
+        for name, setting in config_flags.items():
+            _record(flags, name, setting)
 
-    chosen = _choose(values, catalog, baked_from, warnings)
+    chosen = _choose(values, catalog, baked, baked_args_path, warnings)
     extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings)
 
     model: list[str] = []
@@ -202,18 +180,19 @@ def build_command(
         choice = chosen[name]
         if name == _MODEL_FLAG and catalog.model_positional:
             model = [choice.value]
+            rendered = Rendered(model, (choice.value,))
         else:
-            rendered = _render(choice)
-            if not rendered:
+            rendered = render(choice.flag, choice.var, choice.value)
+            if not rendered.args:
                 continue  # a switch turned off: nothing on the command line, nothing to trace
-            flag_args += rendered
-        _record(sources, name, choice.source)
+            flag_args += rendered.args
+        _record(flags, name, FlagSetting(choice.source, rendered.values, rendered.switch))
         if choice.flag.deprecated:
             warnings.append(f"{choice.var} sets {name}, which vLLM {catalog.version} deprecates")
 
-    for name in extra_flags:
-        _record(sources, name, "VLLM_EXTRA_ARGS")
-    if _MODEL_FLAG not in sources:  # not from a variable, the config file or extra args
+    for name, setting in extra_flags.items():
+        _record(flags, name, setting)
+    if _MODEL_FLAG not in flags:  # not from a variable, the config file or extra args
         warnings.append(
             "no model is set: set MODEL_NAME (e.g. MODEL_NAME=Qwen/Qwen3-0.6B); "
             "vLLM would serve its default model"
@@ -223,15 +202,15 @@ def build_command(
     if config_path is not None:
         argv += ["--config", config_path]
     argv += [*flag_args, *extra, "--host", host, "--port", str(port)]
-    _record(sources, "--host", "worker")
-    _record(sources, "--port", "worker")
-    return VllmCommand(argv, sources, warnings, env_overrides)
+    _record(flags, "--host", FlagSetting(FlagSource("worker"), (host,)))
+    _record(flags, "--port", FlagSetting(FlagSource("worker"), (str(port),)))
+    return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides)
 
 
-def _record(sources: dict[str, str], flag: str, source: str) -> None:
-    """Note the source that wins for ``flag``, moved to the end: sources read in argv order."""
-    sources.pop(flag, None)
-    sources[flag] = source
+def _record(flags: dict[str, FlagSetting], flag: str, setting: FlagSetting) -> None:
+    """Note the setting that wins for ``flag``, moved to the end: flags read in argv order."""
+    flags.pop(flag, None)
+    flags[flag] = setting
 
 
 # -- inputs --------------------------------------------------------------------------------
@@ -270,7 +249,7 @@ def _config_file(
     file_exists: Callable[[str], bool],
     read_text: Callable[[str], str],
     warnings: list[str],
-) -> tuple[str | None, list[str]]:
+) -> tuple[str | None, dict[str, FlagSetting]]:
     """The YAML config to pass as ``--config`` (validated) and the flags it sets.
 
     vLLM reads the file itself; the worker parses it only to fail early and clearly, since
@@ -285,7 +264,7 @@ def _config_file(
                 f"{var}: no such file; mount the YAML file there or fix the path, "
                 "e.g. VLLM_CONFIG_FILE=/vllm_config.yaml"
             )
-        return None, []
+        return None, {}
     if not path.endswith((".yaml", ".yml")):
         raise ConfigError(
             f"{var}: vLLM reads only .yaml/.yml config files, e.g. "
@@ -313,8 +292,9 @@ def _config_file(
             f"{var}: holds {type(data).__name__}, not a mapping of flags, e.g. "
             "`max-model-len: 8192`"
         )
-    keys: list[str] = []
-    for key in data:
+    settings: dict[str, FlagSetting] = {}
+    source = FlagSource("config_file", path=path)
+    for key, value in data.items():
         option = "--" + str(key)
         flag = catalog.get(option)
         name = flag.name if flag is not None else option
@@ -323,14 +303,27 @@ def _config_file(
                 f"{path}: {key!r} is not a flag of vLLM {catalog.version}; vLLM may reject it"
             )
         _check_explicit_flag(name, f"{path} (key {key!r})", warnings)
-        keys.append(name)
-    return path, keys
+        settings[name] = _yaml_setting(source, value)
+    return path, settings
+
+
+def _yaml_setting(source: FlagSource, value: object) -> FlagSetting:
+    """A config file's value as vLLM reads it: a switch, a list of values, or one value."""
+    if isinstance(value, bool):
+        return FlagSetting(source, switch=value)
+    if value is None:
+        return FlagSetting(source)
+    items = value if isinstance(value, list) else [value]
+    return FlagSetting(source, tuple(
+        item if isinstance(item, str) else json.dumps(item) for item in items
+    ))
 
 
 def _choose(
     values: Mapping[str, str],
     catalog: FlagCatalog,
-    baked_from: Mapping[str, str],
+    baked: Mapping[str, str],
+    baked_args_path: str,
     warnings: list[str],
 ) -> dict[str, _Choice]:
     """Pick, for each flag, the one variable that sets it (aliases win, then canonical names)."""
@@ -344,9 +337,10 @@ def _choose(
         if UNSET_VALUES.get(var) == value.strip():
             warnings.append(f"{var}={value} means unset (the earlier worker's default); ignored")
             continue
-        source = f"{kind} {var}"
-        if var in baked_from:
-            source += f" (baked {baked_from[var]})"
+        if var in baked:
+            source = FlagSource("baked", var, baked_args_path)
+        else:
+            source = FlagSource("alias" if kind == "alias" else "env", var)
         rank = 2 if kind == "alias" else int(var == flag.env_name)
         claims.append(_Choice(flag, var, value, source, rank))
 
@@ -367,7 +361,7 @@ def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag 
 
     Warns about variables that clearly meant a flag but cannot be used (reserved, retired).
     """
-    if var in WORKER_SETTINGS_NAMES or var in COLLIDING_NAMES:
+    if var in WORKER_SETTING_NAMES or var in COLLIDING_NAMES:
         return None, ""
     if var in ALIASES:
         flag = catalog.get(ALIASES[var])
@@ -427,10 +421,10 @@ def _extra_args(
     catalog: FlagCatalog,
     chosen: dict[str, _Choice],
     warnings: list[str],
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], dict[str, FlagSetting]]:
     """VLLM_EXTRA_ARGS, shell-split, and the flags it sets (they replace those of variables)."""
     if not raw.strip():
-        return [], []
+        return [], {}
     try:
         args = shlex.split(raw)
     except ValueError as exc:
@@ -438,138 +432,43 @@ def _extra_args(
             f"VLLM_EXTRA_ARGS={raw!r} is not valid shell syntax ({exc}); quote values that "
             "hold spaces, e.g. VLLM_EXTRA_ARGS='--max-model-len 8192 --chat-template \"{{x}}\"'"
         ) from exc
-    flags: list[str] = []
-    for arg in args:
+    settings: dict[str, FlagSetting] = {}
+    for index, arg in enumerate(args):
         if not arg.startswith("-"):
             continue
-        option = arg.split("=", 1)[0].split(".", 1)[0]
-        flag = catalog.get(option)
-        if flag is None and not option.startswith("--"):
+        option, eq, inline = arg.partition("=")
+        base = option.split(".", 1)[0]
+        flag = catalog.get(base)
+        if flag is None and not base.startswith("--"):
             continue  # a value such as -1, or a short option vLLM may know better than us
-        name = flag.name if flag is not None else "--" + option[2:].replace("_", "-")
+        name = flag.name if flag is not None else "--" + base[2:].replace("_", "-")
         _check_explicit_flag(name, "VLLM_EXTRA_ARGS", warnings)
         previous = chosen.pop(name, None)
         if previous is not None:
             warnings.append(
                 f"{previous.var}={previous.value!r} is overridden by VLLM_EXTRA_ARGS ({name})"
             )
-        flags.append(name)
-    return args, flags
+        earlier = settings.pop(name, None)
+        setting = _extra_setting(flag, option, inline if eq else None, args[index + 1 :])
+        if earlier is not None and flag is not None and flag.append:
+            setting = FlagSetting(setting.source, earlier.values + setting.values)
+        settings[name] = setting
+    return args, settings
 
 
-# -- rendering -----------------------------------------------------------------------------
-def parse_bool(var: str, value: str) -> bool:
-    """``true/false/1/0/yes/no/on/off`` in any case; anything else is a ConfigError."""
-    word = value.strip().lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ConfigError(
-        f"{var}={value!r} is not a boolean: use true/false (or 1/0, yes/no, on/off), "
-        f"e.g. {var}=true"
-    )
+def _extra_setting(
+    flag: Flag | None, option: str, inline: str | None, rest: list[str]
+) -> FlagSetting:
+    """What one flag of VLLM_EXTRA_ARGS sets, read as vLLM's parser reads it.
 
-
-def _render(choice: _Choice) -> list[str]:
-    """The command-line arguments for one variable's value of its flag."""
-    flag, var, value = choice.flag, choice.var, choice.value
-    if flag.kind == "bool_pair":
-        if parse_bool(var, value):
-            return [flag.name]
-        return [flag.negative] if flag.negative else []
-    if flag.kind in ("store_true", "store_false"):
-        return [flag.name] if parse_bool(var, value) else []
-    if flag.name == _LORA_FLAG and value.lstrip().startswith(("[", "{")):
-        items = _legacy_lora_modules(var, value)
-    elif flag.name == _MM_LIMIT_FLAG:
-        items = [_legacy_mm_limit(var, value)]
-    elif flag.multi:
-        items = _split(var, value)
-    else:
-        items = [value]
-    _check_choices(flag, var, items)
-    if isinstance(flag.nargs, int) and flag.nargs > 1 and len(items) != flag.nargs:
-        raise ConfigError(
-            f"{var}={value!r} needs exactly {flag.nargs} values for {flag.name}, "
-            f"e.g. {var}={shlex.quote(' '.join(['VALUE'] * flag.nargs))}"
-        )
-    if flag.append and flag.nargs in (None, "?"):
-        return [arg for item in items for arg in (flag.name, item)]
-    if not flag.multi and value.startswith("-"):
-        # "--x -0.5" could be read as an option (and as a dotted JSON key by vLLM).
-        return [f"{flag.name}={value}"]
-    return [flag.name, *items]
-
-
-def _split(var: str, value: str) -> list[str]:
-    try:
-        return shlex.split(value)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{var}={value!r} is not a valid shell-quoted list ({exc}); separate values with "
-            f"spaces and quote those that hold spaces, e.g. {var}='first \"second one\"'"
-        ) from exc
-
-
-def _normalize_choice(text: str) -> str:
-    # vLLM's choice parsers for backends lower-case and turn "-" into "_"; accept the same.
-    return text.strip().lower().replace("-", "_")
-
-
-def _check_choices(flag: Flag, var: str, items: list[str]) -> None:
-    if not flag.choices:
-        return
-    allowed = {_normalize_choice(c) for c in flag.choices}
-    for item in items:
-        if _normalize_choice(item) not in allowed:
-            shown = [c for c in flag.choices if c != "None"]
-            raise ConfigError(
-                f"{var}={item!r} is not a valid {flag.name}: one of {', '.join(shown)}; "
-                f"e.g. {var}={shown[0] if shown else flag.choices[0]}"
-            )
-
-
-def _legacy_lora_modules(var: str, value: str) -> list[str]:
-    """A JSON list of ``{"name", "path"[, "base_model_name"]}`` → one JSON item per adapter.
-
-    vLLM 0.32's ``--lora-modules`` takes each adapter as ``name=path`` or as one JSON object;
-    JSON keeps ``base_model_name`` and paths that hold ``=`` or ``,``.
+    A dotted option (``--compilation-config.mode 3``) sets part of a flag: no values to read.
     """
-    try:
-        data: Any = json.loads(value)
-    except ValueError as exc:
-        raise ConfigError(f"{var}={value!r} is not valid JSON ({exc}); e.g. {_LORA_EXAMPLE}") \
-            from exc
-    entries = data if isinstance(data, list) else [data]
-    items: list[str] = []
-    for number, entry in enumerate(entries, start=1):
-        if isinstance(entry, str) and entry.strip():
-            items.append(entry)
-            continue
-        if not isinstance(entry, dict):
-            raise ConfigError(
-                f"{var} entry {number} is {json.dumps(entry)}, not an object with \"name\" and "
-                f"\"path\"; e.g. {_LORA_EXAMPLE}"
-            )
-        for key in ("name", "path"):
-            if not isinstance(entry.get(key), str) or not entry[key].strip():
-                raise ConfigError(
-                    f"{var} entry {number} ({json.dumps(entry)}) has no {key!r}; "
-                    f"e.g. {_LORA_EXAMPLE}"
-                )
-        items.append(json.dumps(entry, ensure_ascii=False))
-    return items
-
-
-def _legacy_mm_limit(var: str, value: str) -> str:
-    """``image=5,video=2`` (the earlier worker's form) → ``{"image": 5, "video": 2}``."""
-    if value.lstrip().startswith("{"):
-        return value
-    if _LEGACY_MM_LIMIT.fullmatch(value):
-        pairs = (part.split("=", 1) for part in value.split(","))
-        return json.dumps({k.strip(): int(v) for k, v in pairs})
-    raise ConfigError(
-        f"{var}={value!r} is neither JSON nor the form modality=count[,modality=count]; "
-        f"e.g. {var}='{{\"image\": 5, \"video\": 2}}'"
-    )
+    source = FlagSource("extra_args")
+    if flag is not None and flag.kind != "value" and "." not in option:
+        return FlagSetting(source, switch=option != flag.negative)
+    if inline is not None or "." in option:
+        return FlagSetting(source, (inline,) if inline is not None and "." not in option else ())
+    following = list(itertools.takewhile(lambda arg: not arg.startswith("--"), rest))
+    if flag is None or not flag.multi or flag.append:
+        following = following[:1]
+    return FlagSetting(source, tuple(following))

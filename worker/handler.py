@@ -1,6 +1,6 @@
 """The proxy: one job in, one HTTP request to the local vLLM, its answer out.
 
-``handler`` is the async generator given to the runpod SDK. Non-streaming answers are
+:meth:`Proxy.handle` is the async generator given to the runpod SDK. Non-streaming answers are
 yielded once (a dict for JSON, text otherwise). Streams are relayed as text holding whole
 SSE events, byte for byte as vLLM sent them: the bytes are only cut after an event's blank
 line, so no event and no UTF-8 character is ever split. vLLM's stream is read by a
@@ -18,9 +18,7 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import re
-import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -83,15 +81,6 @@ def _is_read_timeout(exc: BaseException) -> bool:
             cause, aiohttp.ConnectionTimeoutError
         )
     return isinstance(exc, httpx.ReadTimeout)
-
-
-def served_model_from_env(env: dict[str, str] | os._Environ[str]) -> str | None:
-    """The name vLLM serves the model under when the environment fixes it."""
-    for name in ("OPENAI_SERVED_MODEL_NAME_OVERRIDE", "SERVED_MODEL_NAME"):
-        value = env.get(name, "").strip()
-        if value:
-            return shlex.split(value)[0]
-    return None
 
 
 class _NoCookies(httpx.Cookies):
@@ -414,21 +403,3 @@ def _decoded_body(response: httpx.Response) -> Any:
         with contextlib.suppress(ValueError):
             return response.json()
     return response.text
-
-
-_default_proxy: Proxy | None = None
-
-
-async def handler(job: dict[str, Any]) -> AsyncIterator[Any]:
-    """The runpod handler for use on its own: the backend comes from VLLM_PORT/VLLM_BASE_URL.
-
-    The worker's server builds its own :class:`Proxy`; this entry point exists so the
-    handler can be tested and benchmarked without the supervisor.
-    """
-    global _default_proxy
-    if _default_proxy is None:
-        _default_proxy = Proxy(
-            Settings.from_env(os.environ), served_model=served_model_from_env(os.environ)
-        )
-    async for item in _default_proxy.handle(job):
-        yield item

@@ -18,7 +18,10 @@ from typing import Any
 
 logger = logging.getLogger("worker.jobloop")
 
-Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
+Job = dict[str, Any]
+"""A job as the SDK hands it to the handler: ``{"id": ..., "input": ...}``."""
+Handler = Callable[[Job], AsyncIterator[Any]]
+"""The handler the SDK runs for each job: an async generator of the job's outputs."""
 
 
 class JobLoop:

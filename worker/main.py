@@ -1,6 +1,12 @@
 """Command line of the worker: ``python -m worker [--dry-run] [runpod's --rp_* flags]``.
 
-Only argument handling and mode selection live here; :mod:`worker.server` does the work.
+Only argument handling, logging and the choice of a mode live here; each mode is a small
+composition of the same parts (:mod:`worker.build`, :mod:`worker.startup`,
+:mod:`worker.server`):
+
+* ``serverless`` — the queue worker on Runpod's job API;
+* ``local`` — the same behind the runpod SDK's local API on ``PORT``;
+* ``http`` — `vllm serve` itself on ``0.0.0.0:PORT`` (a plain pod), same command.
 """
 
 from __future__ import annotations
@@ -8,21 +14,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 
+from worker.build import Builder, vllm_environment
 from worker.errors import ConfigError
 from worker.secrets import SecretMasker
 from worker.settings import Settings
 
-if TYPE_CHECKING:
-    from worker.server import Server
-
 logger = logging.getLogger("worker")
 
-# The SDK's local API listens on 8000 by default: keep vLLM off that port locally.
-LOCAL_VLLM_PORT = 18000
+#: What the local mode sets when the machine has no GPU (a variable the user set wins): no
+#: CUDA graphs, and a KV cache of a fixed size (the default memory fraction applies to one
+#: NUMA node and fails on small machines).
+CPU_DEFAULTS: Mapping[str, str] = {"ENFORCE_EAGER": "true", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 class _MaskSecrets(logging.Filter):
@@ -36,114 +44,110 @@ class _MaskSecrets(logging.Filter):
         return True
 
 
-def setup_logging(masker: SecretMasker) -> None:
+def setup_logging(masker: SecretMasker, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_MaskSecrets(masker))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(os.environ.get("WORKER_LOG_LEVEL", "INFO").upper())
+    root.setLevel(level)
     # httpx logs every request at INFO: one line per job and health poll is noise.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def dry_run(settings: Settings, env: Mapping[str, str]) -> int:
+def dry_run(builder: Builder, masker: SecretMasker) -> int:
     """Print the `vllm serve` line that would run (stdout) and where each flag came from."""
-    from worker.server import Server
-
-    server = Server(settings, env)
     try:
-        command = server.build(env, log_warnings=False)
+        command = builder.command()
     except ConfigError as exc:
         print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
-    print(command.shell_line(server.masker))
+    print(command.shell_line(masker))
     for flag, source in command.sources.items():
         print(f"  {flag:<40} from {source}", file=sys.stderr)
     for warning in command.warnings:
-        print(f"warning: {server.masker.mask(warning)}", file=sys.stderr)
+        print(f"warning: {masker.mask(warning)}", file=sys.stderr)
     return 0
 
 
-def exec_http(settings: Settings, env: Mapping[str, str]) -> int:
+def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) -> int:
     """Replace this process with `vllm serve` on 0.0.0.0:$PORT (one image, two uses)."""
-    from worker.server import Server, vllm_environment
-
-    server = Server(settings, env)
+    builder = Builder(settings, env, host="0.0.0.0", port=settings.port, behind_worker=False)
     try:
-        command = server.build(env, host="0.0.0.0", port=int(env.get("PORT") or 8000))
-    except (ConfigError, ValueError) as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
+        command = builder.command()
+    except ConfigError as exc:
+        print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
-    logger.info("exec: %s", command.shell_line(server.masker))
-    os.execvpe(
-        command.argv[0], command.argv, vllm_environment(env, command, behind_worker=False)
-    )
+    for warning in command.warnings:
+        logger.warning("%s", masker.mask(warning))
+    logger.info("exec: %s", command.shell_line(masker))
+    os.execvpe(command.argv[0], list(command.argv),
+               vllm_environment(env, command, behind_worker=False))
+
+
+def has_gpu() -> bool:
+    """An NVIDIA GPU answers `nvidia-smi -L`."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20,
+                              check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def local_sdk_args(settings: Settings, sdk_args: list[str]) -> list[str]:
+    """The SDK's arguments for local mode: its API on 127.0.0.1:PORT unless told otherwise.
+
+    ``--test_input`` runs one job instead of the API, as the SDK documents it.
+    """
+    if any(arg.startswith(("--test_input", "--rp_serve_api")) for arg in sdk_args):
+        return sdk_args
+    return ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", str(settings.port),
+            *sdk_args]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(
         prog="python -m worker",
-        description="Run vLLM behind the Runpod Serverless job loop.",
-        epilog="Other arguments (--rp_serve_api, --rp_api_port, ...) go to the runpod SDK.",
+        description="Run vLLM behind the Runpod Serverless job loop (WORKER_MODE picks how).",
+        epilog="Other arguments (--rp_serve_api, --test_input, ...) go to the runpod SDK.",
     )
     parser.add_argument(
         "--dry-run", action="store_true",
         help="print the `vllm serve` command built from the environment and exit",
     )
-    parser.add_argument(
-        "--http", action="store_true",
-        help="exec `vllm serve` on 0.0.0.0:$PORT with the same command (a plain pod)",
-    )
     args, sdk_args = parser.parse_known_args(argv)
     env = dict(os.environ)
     masker = SecretMasker.from_env(env)
-    setup_logging(masker)
-    # The SDK logs every streamed chunk at its default level DEBUG.
-    os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")
-
-    serverless = bool(env.get("RUNPOD_WEBHOOK_GET_JOB"))
-    if not serverless and not env.get("VLLM_PORT"):
-        env["VLLM_PORT"] = str(LOCAL_VLLM_PORT)
     settings_error: ConfigError | None = None
     try:
         settings = Settings.from_env(env)
     except ConfigError as exc:
-        print(f"configuration error: {exc.message}", file=sys.stderr)
-        if args.dry_run or not serverless:
+        settings, settings_error = Settings.defaults(env), exc
+    setup_logging(masker, settings.log_level)
+    # The SDK logs every streamed chunk at its default level DEBUG.
+    os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")
+    mode = settings.effective_mode
+    if settings_error is not None:
+        print(f"configuration error: {settings_error.message}", file=sys.stderr)
+        if args.dry_run or not settings.queue:
             return 2
         # Answer every job with the error instead of crash-looping on the defaults.
-        settings, settings_error = Settings(), exc
+        mode = "serverless"
     if args.dry_run:
-        return dry_run(settings, env)
-    if args.http:
-        return exec_http(settings, env)
+        return dry_run(Builder(settings, env), masker)
+    if mode == "http":
+        return exec_http(settings, env, masker)
 
-    from worker.server import Server
+    from worker.server import QueueWorker
+    from worker.startup import Startup
 
-    server = Server(settings, env, settings_error=settings_error)
-    if serverless:
-        return server.run_serverless()
-    return _run_local(server, sdk_args)
-
-
-def _run_local(server: Server, sdk_args: list[str]) -> int:
-    """The SDK's local modes (--rp_serve_api, --test_input) after our own prestart."""
-    try:
-        outcome = server.prestart_only()
-        if outcome is None:
-            return 0
-        import runpod
-
-        config: dict[str, Any] = {
-            "handler": server.local_handler(outcome),
-            "return_aggregate_stream": True,
-            "concurrency_modifier": lambda _: server.settings.max_concurrency,
-        }
-        sys.argv = [sys.argv[0], *sdk_args]
-        logger.info("taking jobs through the runpod SDK's local mode (%s)",
-                    " ".join(sdk_args) or "--test_input / default")
-        runpod.serverless.start(config)
-        return 0 if outcome.ready else 1
-    finally:
-        server.stop_vllm()
+    if mode == "local" and not has_gpu():
+        env = {**CPU_DEFAULTS, **env}
+    startup = Startup(Builder(settings, env), masker=masker, settings_error=settings_error)
+    worker = QueueWorker(settings, startup, started_at=started)
+    if mode == "serverless":
+        return worker.run_serverless()
+    return worker.run_local(local_sdk_args(settings, sdk_args))

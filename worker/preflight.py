@@ -14,15 +14,12 @@ on: vLLM downloads the model itself and :mod:`worker.diagnosis` explains a real 
 its log. A refusal for a repo that is already in the local Hugging Face cache is a warning too,
 because huggingface_hub then loads the cached copy.
 
-The Hub is not asked when nothing would be downloaded: local paths, URLs (``s3://...``),
-offline mode (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``), ModelScope, or a model baked into
-the image (``/local_model_args.json``, which also makes vLLM run offline).
-
-The wording of "gated", "not found", "revision not found" and "invalid token" lives here, in
-the public builders :func:`gated_message`, :func:`not_found_message`,
-:func:`revision_not_found_message`, :func:`invalid_token_message` and
-:func:`disabled_message`, so that the pre-flight and the diagnosis of a crashed start say the
-same thing in the same words.
+The repos are read from the resolved command (:class:`~worker.config.VllmCommand`), so a
+model set in ``VLLM_EXTRA_ARGS`` or the config file is checked like one set by
+``MODEL_NAME``. The Hub is not asked when nothing would be downloaded: local paths, URLs
+(``s3://...``), offline mode (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``), ModelScope, or a
+model baked into the image (``/local_model_args.json``, which also makes vLLM run offline).
+The wording of every failure comes from :mod:`worker.hub_messages`, shared with the diagnosis.
 
 huggingface_hub is synchronous (2.x talks HTTP through httpx2, 1.x through httpx). Each repo is
 checked in its own *daemon* thread and awaited with a deadline, so the event loop never blocks,
@@ -36,231 +33,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
-import shlex
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
+from worker.config import HubAccess, VllmCommand
 from worker.errors import StartupError
+from worker.hub_messages import (
+    HubMessage,
+    disabled_message,
+    gated_message,
+    invalid_token_message,
+    not_found_message,
+    revision_not_found_message,
+)
 from worker.secrets import SecretMasker
 
 __all__ = [
-    "BAKED_ARGS_PATH",
     "DEFAULT_TIMEOUT",
     "HubApi",
-    "HubMessage",
     "HubPlan",
     "HubTarget",
     "PreflightResult",
     "default_hf_api",
-    "disabled_message",
-    "gated_message",
-    "invalid_token_message",
-    "not_found_message",
     "plan_hub_checks",
     "preflight",
-    "repo_page",
-    "revision_not_found_message",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the whole pre-flight may take (every repo is checked in parallel).
 DEFAULT_TIMEOUT = 15.0
-#: The variables of a model baked into the image (see :func:`worker.command.build_command`).
-BAKED_ARGS_PATH = "/local_model_args.json"
-HUB_URL = "https://huggingface.co"
 
-_TRUE = frozenset({"1", "ON", "YES", "TRUE"})  # huggingface_hub's constants._is_true
 _T = TypeVar("_T")
-
-
-# -- the wording, shared with worker.diagnosis -----------------------------------------------
-@dataclass(frozen=True)
-class HubMessage:
-    """One explained Hub failure: ``kind`` (stable id), what happened and what to set.
-
-    The shape is that of :class:`worker.diagnosis.Diagnosis` (``kind``, ``cause``, ``fix``,
-    ``message``), so the diagnosis can return a builder's parts as they are.
-    """
-
-    kind: str
-    cause: str
-    fix: str
-
-    @property
-    def message(self) -> str:
-        return f"{self.cause} Fix: {self.fix}"
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def repo_page(repo: str) -> str:
-    """The repo's page on huggingface.co, where its license is accepted."""
-    return f"{HUB_URL}/{repo}"
-
-
-def _sentence(text: str, evidence: str | None) -> str:
-    """``text`` with the evidence (``Hugging Face: ...``, ``vLLM: ...``) in brackets, ended."""
-    return f"{text} ({evidence})." if evidence else f"{text}."
-
-
-def _subject(repo: str | None, role: str, variable: str) -> str:
-    """``the model org/name (MODEL_NAME)``, or ``the model in MODEL_NAME`` without a repo."""
-    return f"the {role} {repo} ({variable})" if repo else f"the {role} in {variable}"
-
-
-def _capitalized(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
-def gated_message(
-    repo: str | None,
-    role: str = "model",
-    *,
-    variable: str = "MODEL_NAME",
-    token_set: bool = False,
-    access: Literal["gated", "private", "forbidden"] = "gated",
-    evidence: str | None = None,
-) -> HubMessage:
-    """The repo exists (or may) but this worker may not read it: kind ``gated_model``.
-
-    ``access`` says what the Hub answered: ``gated`` (a gated repo and no access for the token's
-    account), ``private`` (401 to a request without a token: Hugging Face answers so for private,
-    gated *and* missing repos alike), ``forbidden`` (403 to a token that lacks the permission,
-    typically a fine-grained one). ``role`` is ``model``, ``tokenizer`` or ``LoRA adapter``;
-    ``variable`` is the setting that named the repo; ``evidence`` is appended to the cause.
-    """
-    subject = _subject(repo, role, variable)
-    page = repo_page(repo) if repo else "the model's page on huggingface.co"
-    if access == "private":
-        cause = _sentence(
-            f"Hugging Face refused to show {subject} without a token (401): the repo is private "
-            "or gated, or does not exist, and HF_TOKEN is not set",
-            evidence,
-        )
-        fix = (
-            "Set HF_TOKEN to a read token of an account that can read the repo (for a gated "
-            f"model, accept its license at {page} with that account first); if the repo is "
-            f"public, check that {variable} is the full `org/repo` id, spelled as on "
-            "huggingface.co."
-        )
-    elif access == "forbidden":
-        cause = _sentence(
-            f"Hugging Face answered 403 Forbidden to the token in HF_TOKEN for {subject}",
-            evidence,
-        )
-        fix = (
-            "Set HF_TOKEN to a token that can read the repo: a read token, or a fine-grained "
-            "token with read access to this repo (and to public gated repos); for a gated "
-            f"model, accept its license at {page} with the token's account first."
-        )
-    else:
-        who = (
-            "the account of the token in HF_TOKEN has not been granted access (license not "
-            "accepted, or the request is still pending)"
-            if token_set
-            else "HF_TOKEN is not set"
-        )
-        cause = _sentence(
-            f"{_capitalized(subject)} is gated: Hugging Face serves its files only to accounts "
-            f"that accepted its license, and {who}",
-            evidence,
-        )
-        fix = (
-            f"Accept the license at {page} with your Hugging Face account and, once access is "
-            "granted, set HF_TOKEN to a read token of that account (a fine-grained token also "
-            f"needs read access to public gated repos); or choose another {role} in {variable}."
-        )
-    return HubMessage("gated_model", cause, fix)
-
-
-def not_found_message(
-    repo: str | None,
-    variable: str = "MODEL_NAME",
-    *,
-    role: str = "model",
-    token_set: bool = False,
-    evidence: str | None = None,
-) -> HubMessage:
-    """Hugging Face has no such repo, or hides it from this token: kind ``model_not_found``.
-
-    The Hub answers 404 for a private repo the token cannot read, so the message covers both.
-    """
-    name = f" {repo}" if repo else ""
-    who = "the account of the token in HF_TOKEN cannot read it" if token_set else (
-        "HF_TOKEN is not set"
-    )
-    cause = _sentence(
-        f"Hugging Face has no {role}{name} ({variable}) that this worker can read: it does not "
-        f"exist, or it is private and {who}",
-        evidence,
-    )
-    fix = (
-        f"Check that {variable} is the full `org/repo` id, spelled as on huggingface.co (e.g. "
-        "Qwen/Qwen3-0.6B); if the repo is private, set HF_TOKEN to a read token of an account "
-        "that can read it."
-    )
-    return HubMessage("model_not_found", cause, fix)
-
-
-def revision_not_found_message(
-    repo: str | None,
-    revision: str,
-    *,
-    variable: str = "MODEL_REVISION",
-    evidence: str | None = None,
-) -> HubMessage:
-    """The repo exists but has no such branch, tag or commit: kind ``revision_not_found``."""
-    of = f" of {repo}" if repo else ""
-    cause = _sentence(
-        f"The revision {revision!r}{of} ({variable}) does not exist on Hugging Face", evidence
-    )
-    where = f' (see "Files and versions" on {repo_page(repo)})' if repo else ""
-    fix = (
-        f"Set {variable} to an existing branch, tag or commit{of}{where}, or leave it unset "
-        "for the default branch."
-    )
-    return HubMessage("revision_not_found", cause, fix)
-
-
-def invalid_token_message(*, evidence: str | None = None) -> HubMessage:
-    """The Hub rejects the token itself (401 "Invalid credentials"): kind ``invalid_token``.
-
-    Such a token fails every request, even for public repos, so no model can be loaded with it.
-    """
-    cause = _sentence(
-        "Hugging Face rejected the token in HF_TOKEN (401 Invalid credentials): it is "
-        "mistyped, expired or revoked",
-        evidence,
-    )
-    fix = (
-        f"Set HF_TOKEN to a valid read token ({HUB_URL}/settings/tokens), or unset it if every "
-        "repo you use is public."
-    )
-    return HubMessage("invalid_token", cause, fix)
-
-
-def disabled_message(
-    repo: str | None,
-    variable: str = "MODEL_NAME",
-    *,
-    role: str = "model",
-    evidence: str | None = None,
-) -> HubMessage:
-    """Hugging Face disabled the repo (e.g. after a takedown): kind ``model_disabled``."""
-    subject = _subject(repo, role, variable)
-    cause = _sentence(f"Hugging Face has disabled access to {subject}", evidence)
-    fix = f"Choose another {role} in {variable}."
-    return HubMessage("model_disabled", cause, fix)
 
 
 # -- what to check -------------------------------------------------------------------------
@@ -306,126 +117,63 @@ def _is_repo_id(text: str) -> bool:
     )
 
 
-def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
-    """The first of ``names`` set to a non-empty value, and that value (stripped)."""
-    for name in names:
-        value = env.get(name, "").strip()
-        if value:
-            return name, value
-    return None
-
-
-def _is_true(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").strip().upper() in _TRUE
-
-
-def _extra_flags(env: Mapping[str, str]) -> set[str]:
-    """The flags VLLM_EXTRA_ARGS sets: they win over the variables (see worker.command)."""
-    try:
-        args = shlex.split(env.get("VLLM_EXTRA_ARGS", ""))
-    except ValueError:
-        return set()  # build_command reports the broken quoting
-    return {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
-
-
-def _lora_entries(value: str) -> list[tuple[str, str]]:
-    """``(name, path)`` of each LORA_MODULES entry: a JSON list/object or ``name=path`` words.
-
-    Anything malformed is left out: :func:`worker.command.build_command` reports it.
-    """
-    entries: list[object]
-    if value.lstrip().startswith(("[", "{")):
-        try:
-            data = json.loads(value)
-        except ValueError:
-            return []
-        entries = data if isinstance(data, list) else [data]
-    else:
-        try:
-            entries = list(shlex.split(value))
-        except ValueError:
-            return []
-    found: list[tuple[str, str]] = []
-    for entry in entries:
-        if isinstance(entry, dict):
-            name, path = entry.get("name"), entry.get("path")
-            if isinstance(name, str) and isinstance(path, str) and path.strip():
-                found.append((name.strip(), path.strip()))
-        elif isinstance(entry, str) and "=" in entry:
-            name, path = entry.split("=", 1)
-            if path.strip():
-                found.append((name.strip(), path.strip()))
-    return found
+def _setting(command: VllmCommand, flag: str, default: str) -> str:
+    """The setting through which the user set ``flag`` (``default`` when none did)."""
+    source = command.source(flag)
+    return (source.setting(flag) if source is not None else None) or default
 
 
 def plan_hub_checks(
-    env: Mapping[str, str],
+    command: VllmCommand,
+    hub: HubAccess,
     *,
-    baked_args_path: str = BAKED_ARGS_PATH,
     path_exists: Callable[[str], bool] = os.path.exists,
 ) -> HubPlan:
-    """The Hub repos the command built from ``env`` makes vLLM fetch (pure but for ``path_exists``).
+    """The Hub repos ``command`` makes vLLM fetch (pure but for ``path_exists``).
 
     Mirrors vLLM 0.32's ModelConfig: the tokenizer defaults to the model, and the tokenizer's
-    revision to ``TOKENIZER_REVISION``, else the model's revision (also for another tokenizer
-    repo). Values set in VLLM_EXTRA_ARGS win over the variables, so those are not checked.
+    revision to ``--tokenizer-revision``, else the model's revision (also for another
+    tokenizer repo). Every value is the one the command passes, whatever set it.
     """
-    skipped: list[str] = []
-    if path_exists(baked_args_path):
-        return HubPlan((), (f"the model is baked into the image ({baked_args_path}); vLLM runs "
-                            "offline",))
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if _is_true(env, name):
-            return HubPlan((), (f"{name}={env[name].strip()}: vLLM does not ask the Hub",))
-    if _is_true(env, "VLLM_USE_MODELSCOPE"):
+    if command.baked_model is not None:
+        return HubPlan((), (f"the model is baked into the image ({command.baked_model}); "
+                            "vLLM runs offline",))
+    if hub.offline is not None:
+        return HubPlan((), (f"{hub.offline}: vLLM does not ask the Hub",))
+    if hub.modelscope:
         return HubPlan((), ("VLLM_USE_MODELSCOPE is on: models come from ModelScope",))
 
-    extra = _extra_flags(env)
     candidates: list[HubTarget] = []
+    model, revision = command.model, command.revision
+    model_variable = _setting(command, "--model", "MODEL_NAME")
+    revision_variable = _setting(command, "--revision", "MODEL_REVISION")
+    if model is not None:
+        candidates.append(HubTarget(model, revision, "model", model_variable, revision_variable))
 
-    model = _first(env, "MODEL_NAME", "MODEL")
-    model_revision = _first(env, "MODEL_REVISION", "REVISION")
-    tokenizer = _first(env, "TOKENIZER_NAME", "TOKENIZER")
-    tokenizer_revision = _first(env, "TOKENIZER_REVISION")
+    tokenizer, tokenizer_revision = command.tokenizer, command.tokenizer_revision
+    if tokenizer is not None or tokenizer_revision is not None:
+        repo = tokenizer or model
+        variable = _setting(command, "--tokenizer", "TOKENIZER_NAME") if tokenizer else (
+            model_variable)
+        if tokenizer_revision is not None:
+            wanted: str | None = tokenizer_revision
+            wanted_variable = _setting(command, "--tokenizer-revision", "TOKENIZER_REVISION")
+        elif revision is not None:
+            wanted = revision
+            wanted_variable = f"TOKENIZER_REVISION, which defaults to {revision_variable}"
+        else:
+            wanted, wanted_variable = None, "TOKENIZER_REVISION"
+        if repo is not None:
+            candidates.append(HubTarget(repo, wanted, "tokenizer", variable, wanted_variable))
 
-    model_overridden = extra & {"--model", "--revision"}
-    if model is not None and model_overridden:
-        skipped.append(f"VLLM_EXTRA_ARGS sets {', '.join(sorted(model_overridden))}: "
-                       f"{model[0]} is not checked")
-    elif model is not None:
-        candidates.append(HubTarget(
-            model[1], model_revision[1] if model_revision else None, "model", model[0],
-            model_revision[0] if model_revision else "MODEL_REVISION",
-        ))
-
-    tokenizer_overridden = extra & {"--tokenizer", "--tokenizer-revision", "--model", "--revision"}
-    if tokenizer_overridden and (tokenizer is not None or tokenizer_revision is not None):
-        skipped.append(f"VLLM_EXTRA_ARGS sets {', '.join(sorted(tokenizer_overridden))}: "
-                       "the tokenizer is not checked")
-    elif tokenizer is not None or tokenizer_revision is not None:
-        source = tokenizer or model
-        if source is not None:
-            if tokenizer_revision is not None:
-                revision: str | None = tokenizer_revision[1]
-                revision_variable = tokenizer_revision[0]
-            elif model_revision is not None:
-                revision = model_revision[1]
-                revision_variable = f"TOKENIZER_REVISION, which defaults to {model_revision[0]}"
-            else:
-                revision, revision_variable = None, "TOKENIZER_REVISION"
-            candidates.append(HubTarget(source[1], revision, "tokenizer", source[0],
-                                        revision_variable))
-
-    lora = _first(env, "LORA_MODULES")
-    if lora is not None and "--lora-modules" in extra:
-        skipped.append("VLLM_EXTRA_ARGS sets --lora-modules: LORA_MODULES is not checked")
-    elif lora is not None:
-        for name, path in _lora_entries(lora[1]):
-            candidates.append(HubTarget(path, None, "LoRA adapter",
-                                        f'the path of LORA_MODULES entry "{name}"',
-                                        "LORA_MODULES"))
+    lora_variable = _setting(command, "--lora-modules", "LORA_MODULES")
+    for module in command.lora_modules:
+        candidates.append(HubTarget(module.path, None, "LoRA adapter",
+                                    f'the path of {lora_variable} entry "{module.name}"',
+                                    lora_variable))
 
     targets: list[HubTarget] = []
+    skipped: list[str] = []
     seen: set[tuple[str, str | None]] = set()
     for target in candidates:
         reason = _not_a_hub_repo(target.repo, path_exists)
@@ -519,39 +267,7 @@ class PreflightResult:
         return StartupError("\n".join(self.errors), kind=self.problems[0].kind)
 
 
-def _hf_home(env: Mapping[str, str]) -> str:
-    home = env.get("HF_HOME", "").strip()
-    if home:
-        return os.path.expanduser(home)
-    cache = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"),
-                                                                   ".cache")
-    return os.path.join(cache, "huggingface")
-
-
-def _hub_token(env: Mapping[str, str]) -> str | None:
-    """The token vLLM's huggingface_hub would send: HF_TOKEN, else the saved token file."""
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        value = env.get(name, "").strip()
-        if value:
-            return value
-    path = env.get("HF_TOKEN_PATH", "").strip() or os.path.join(_hf_home(env), "token")
-    try:
-        return Path(path).read_text(encoding="utf-8").strip() or None
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _cache_dirs(env: Mapping[str, str]) -> list[str]:
-    """Where a copy of a repo would be found: the Hub cache, and vLLM's DOWNLOAD_DIR."""
-    hub = env.get("HF_HUB_CACHE", "").strip() or env.get("HUGGINGFACE_HUB_CACHE", "").strip()
-    dirs = [os.path.expanduser(hub) if hub else os.path.join(_hf_home(env), "hub")]
-    download_dir = env.get("DOWNLOAD_DIR", "").strip()
-    if download_dir:
-        dirs.append(os.path.expanduser(download_dir))
-    return dirs
-
-
-def _cached_copy(repo: str, cache_dirs: list[str]) -> str | None:
+def _cached_copy(repo: str, cache_dirs: Sequence[str]) -> str | None:
     """The cache folder holding a snapshot of model ``repo``, if any."""
     folder = "models--" + repo.replace("/", "--")
     for cache in cache_dirs:
@@ -643,7 +359,7 @@ def _check_repo(
     target: HubTarget,
     token: str | None,
     timeout: float,
-    cache_dirs: list[str],
+    cache_dirs: Sequence[str],
 ) -> _Outcome:
     """Ask the Hub about one repo (runs in a thread: every call here blocks).
 
@@ -713,34 +429,34 @@ def _in_daemon_thread(
 
 
 async def preflight(
-    env: Mapping[str, str],
+    command: VllmCommand,
+    hub: HubAccess,
     *,
     # A parameter, not asyncio.timeout(): it also bounds each request, and the threads must
     # not be cancelled (they cannot be), only stopped being waited for.
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     hf_api_factory: Callable[[str | None], HubApi] = default_hf_api,
-    baked_args_path: str = BAKED_ARGS_PATH,
     path_exists: Callable[[str], bool] = os.path.exists,
 ) -> PreflightResult:
-    """Check the model, tokenizer and LoRA repos of ``env`` on the Hub, within ``timeout`` s.
+    """Check the model, tokenizer and LoRA repos of ``command`` on the Hub, within ``timeout`` s.
 
-    ``env`` is the environment vLLM will get. Returns a :class:`PreflightResult`; its
-    ``startup_error`` is set when the Hub answered definitively that the start cannot work.
-    Never raises for the Hub's sake, and never blocks the event loop: the requests run in
-    daemon threads, and a repo without an answer when ``timeout`` has passed is a warning.
-    ``timeout <= 0`` turns the check off.
+    ``hub`` is what vLLM's environment says about the Hub (token, endpoint, offline mode,
+    caches). Returns a :class:`PreflightResult`; its ``startup_error`` is set when the Hub
+    answered definitively that the start cannot work. Never raises for the Hub's sake, and
+    never blocks the event loop: the requests run in daemon threads, and a repo without an
+    answer when ``timeout`` has passed is a warning. ``timeout <= 0`` turns the check off.
     """
     started = time.monotonic()
     if timeout <= 0:
         return PreflightResult(skipped=("the Hub check is off (timeout 0)",))
-    plan = plan_hub_checks(env, baked_args_path=baked_args_path, path_exists=path_exists)
+    plan = plan_hub_checks(command, hub, path_exists=path_exists)
     if not plan.targets:
         return PreflightResult(skipped=plan.skipped, seconds=time.monotonic() - started)
 
-    token = _hub_token(env)
+    token = hub.token
     masker = SecretMasker([token] if token else [])
-    endpoint = env.get("HF_ENDPOINT", "").strip().rstrip("/") or None
-    cache_dirs = _cache_dirs(env)
+    endpoint = hub.endpoint
+    cache_dirs = hub.cache_dirs
     loop = asyncio.get_running_loop()
     futures = [
         _in_daemon_thread(

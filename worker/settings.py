@@ -76,8 +76,11 @@ def _text(text: str) -> str:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("VLLM_PORT", "vllm_port", 8000, _port,
+    Setting("VLLM_PORT", "vllm_port", 18000, _port,
             "Port of vLLM's API on 127.0.0.1, inside the container (never exposed)."),
+    Setting("PORT", "port", 8000, _port,
+            "Port the worker serves on: the SDK's local API in `local` mode, `vllm serve` "
+            "itself on 0.0.0.0 in `http` mode."),
     Setting("VLLM_EXECUTABLE", "vllm_executable", "vllm", _text,
             "The `vllm` command to run (a name on PATH or a path)."),
     Setting("VLLM_BASE_URL", "vllm_base_url", "", _text,
@@ -116,7 +119,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKER_LOG_LEVEL", "log_level", "INFO", _log_level,
             "Level of the worker's own log lines (DEBUG, INFO, WARNING, ERROR)."),
     Setting("WORKER_MODE", "mode", "", _mode,
-            "serverless, http or local; chosen by start.sh when unset."),
+            "serverless, http or local; when unset, serverless on a queue endpoint (Runpod's job "
+            "environment is present), else http."),
     Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
             "Path of the JSON catalog of `vllm serve` flags (written at image build)."),
     Setting("VLLM_CONFIG_FILE", "config_file", "", _text,
@@ -132,7 +136,8 @@ WORKER_SETTING_NAMES: frozenset[str] = frozenset(s.env for s in SETTINGS)
 class Settings:
     """The worker's configuration. Build it with :meth:`from_env`."""
 
-    vllm_port: int = 8000
+    vllm_port: int = 18000
+    port: int = 8000
     vllm_executable: str = "vllm"
     vllm_base_url: str = ""
     max_concurrency: int = 30
@@ -151,11 +156,13 @@ class Settings:
     flag_catalog: str = ""
     config_file: str = ""
     extra_args: str = ""
+    queue: bool = False
+    """Runpod's job environment is present (``RUNPOD_WEBHOOK_GET_JOB``): a queue endpoint."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Parse every setting present in ``env``; an invalid value is a ConfigError."""
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"queue": cls.defaults(env).queue}
         for setting in SETTINGS:
             raw = env.get(setting.env, "").strip()
             if not raw:
@@ -168,6 +175,16 @@ class Settings:
                     f"for example {setting.env}={setting.default or '...'}."
                 ) from None
         return cls(**values)
+
+    @classmethod
+    def defaults(cls, env: Mapping[str, str]) -> Settings:
+        """Every setting at its default, on the endpoint ``env`` says (after a ConfigError)."""
+        return cls(queue=bool(env.get("RUNPOD_WEBHOOK_GET_JOB", "").strip()))
+
+    @property
+    def effective_mode(self) -> str:
+        """WORKER_MODE, else ``serverless`` on a queue endpoint and ``http`` anywhere else."""
+        return self.mode or ("serverless" if self.queue else "http")
 
     @property
     def base_url(self) -> str:

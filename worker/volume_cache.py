@@ -9,9 +9,8 @@ probing it: created, writable (a small file written, fsynced and deleted) and wi
 spare; otherwise it returns no path and the reason, so the worker keeps vLLM's local default
 and logs why. A user's own ``VLLM_CACHE_ROOT`` is never overridden.
 
-A volume can still fill up during the start. :func:`is_disk_full` recognises that in vLLM's
-last lines, and :func:`without_volume_cache` gives the environment for one relaunch with the
-local cache.
+A volume can still fill up during the start: the start policy (:mod:`worker.policy`) then
+relaunches vLLM once with its local cache.
 
 Every file-system access goes through arguments (``statvfs``, ``probe``), so that the tests can
 fake a read-only or full volume: they run as root, for whom ``chmod`` forbids nothing.
@@ -22,9 +21,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -34,10 +32,8 @@ __all__ = [
     "CacheChoice",
     "choose_cache_root",
     "format_bytes",
-    "is_disk_full",
     "probe_writable",
     "volume_cache_path",
-    "without_volume_cache",
 ]
 
 DEFAULT_BASE_PATH = "/runpod-volume"
@@ -74,13 +70,9 @@ def format_bytes(count: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _base_path(env: Mapping[str, str], default: str) -> str:
-    return env.get("BASE_PATH", "").strip() or default
-
-
-def volume_cache_path(env: Mapping[str, str], *, base_path: str = DEFAULT_BASE_PATH) -> str:
+def volume_cache_path(base_path: str = DEFAULT_BASE_PATH) -> str:
     """``$BASE_PATH/vllm-cache``: where the cache goes on the volume."""
-    return os.path.join(_base_path(env, base_path), CACHE_DIR_NAME)
+    return os.path.join(base_path, CACHE_DIR_NAME)
 
 
 def probe_writable(directory: str) -> None:
@@ -114,7 +106,7 @@ def _why(exc: OSError) -> str:
 
 
 def choose_cache_root(
-    env: Mapping[str, str],
+    own_cache_root: str | None,
     *,
     base_path: str = DEFAULT_BASE_PATH,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
@@ -124,16 +116,17 @@ def choose_cache_root(
 ) -> CacheChoice:
     """Propose ``$BASE_PATH/vllm-cache`` as VLLM_CACHE_ROOT, or say why not.
 
-    ``BASE_PATH`` in ``env`` wins over ``base_path``. The folder is created when missing (this
-    is the only side effect, besides the probe's file). Checks, in order: VLLM_CACHE_ROOT not
-    set by the user, a volume (a directory) at the base path, the cache folder creatable, at
-    least ``min_free_bytes`` free (measured before writing, so a full volume is reported as
-    such rather than as a failed write), and a successful write probe.
+    ``own_cache_root`` is the user's VLLM_CACHE_ROOT (None or empty: unset). The folder is
+    created when missing (this is the only side effect, besides the probe's file). Checks, in
+    order: VLLM_CACHE_ROOT not set by the user, a volume (a directory) at the base path, the
+    cache folder creatable, at least ``min_free_bytes`` free (measured before writing, so a
+    full volume is reported as such rather than as a failed write), and a successful write
+    probe.
     """
-    own = env.get("VLLM_CACHE_ROOT", "").strip()
+    own = (own_cache_root or "").strip()
     if own:
         return CacheChoice(None, f"VLLM_CACHE_ROOT is set ({own}); the worker leaves it alone")
-    base = _base_path(env, base_path)
+    base = base_path
     if not os.path.exists(base):
         return CacheChoice(None, f"no network volume at {base}; vLLM keeps its local cache")
     if not os.path.isdir(base):
@@ -165,50 +158,3 @@ def choose_cache_root(
                                  "cache", free)
     return CacheChoice(cache, f"vLLM's cache goes to the network volume: VLLM_CACHE_ROOT={cache} "
                               f"({format_bytes(free)} free)", free)
-
-
-def without_volume_cache(
-    env: Mapping[str, str], *, base_path: str = DEFAULT_BASE_PATH
-) -> dict[str, str]:
-    """A copy of ``env`` without the volume's VLLM_CACHE_ROOT: vLLM's local default again.
-
-    For the one relaunch after a start that died of a full disk while the cache was on the
-    volume. A VLLM_CACHE_ROOT pointing anywhere else was the user's choice and stays; compare
-    the result with ``env`` to know whether a relaunch changes anything.
-    """
-    copy = dict(env)
-    current = copy.get("VLLM_CACHE_ROOT", "").strip()
-    if current and os.path.normpath(current) == os.path.normpath(
-        volume_cache_path(env, base_path=base_path)
-    ):
-        del copy["VLLM_CACHE_ROOT"]
-    return copy
-
-
-#: ENOSPC as Python, Rust (hf_xet, safetensors) and C libraries print it.
-_DISK_FULL = re.compile(r"No space left on device|\[Errno 28\]|os error 28|\bENOSPC\b", re.I)
-#: A log record below ERROR (``WARNING 11-30 12:00:01 [x.py:1] ...``): not a cause of death.
-_QUIET_RECORD = re.compile(r"\b(?:DEBUG|INFO|WARNING|WARN)\s+\d\d-\d\d \d\d:\d\d:\d\d")
-#: An exception as a traceback ends: ``OSError: [Errno 28] ...``, ``torch...Error: ...``.
-_EXCEPTION_LINE = re.compile(
-    r"(?:^|\s|\]:?\s?)(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)(?::|$)"
-)
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def is_disk_full(log_tail: Sequence[str]) -> bool:
-    """True when vLLM died of a full disk: ENOSPC in an error line of its last output.
-
-    An error line is an exception line (``OSError: [Errno 28] No space left on device``) or an
-    ERROR/CRITICAL record; a WARNING that merely mentions a full disk (vLLM warns when a cache
-    write fails and goes on) does not count. Deliberately simple: :mod:`worker.diagnosis`
-    explains the failure, this only decides whether one relaunch with the local cache is worth
-    it.
-    """
-    for raw in log_tail:
-        line = _ANSI.sub("", raw)
-        if not _DISK_FULL.search(line) or _QUIET_RECORD.search(line):
-            continue
-        if _EXCEPTION_LINE.search(line) or re.search(r"\b(?:ERROR|CRITICAL)\b", line):
-            return True
-    return False

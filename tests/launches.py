@@ -1,0 +1,54 @@
+"""The start the worker builds from a user's environment, for tests of what reads it.
+
+The real :class:`~worker.build.Builder` runs with the packaged catalog of vLLM 0.32's flags and
+an in-memory file system (the config file, when given), so a test states what a user set and
+the command, its typed sources and the hub facts follow as in the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import yaml
+
+from worker.build import Builder
+from worker.config import Launch
+from worker.flags import FlagCatalog, packaged_catalog_path
+from worker.settings import Settings
+
+CATALOG = FlagCatalog.load(packaged_catalog_path())
+CONFIG_PATH = "/vllm_config.yaml"
+NO_BAKED = "/nonexistent/local_model_args.json"
+
+
+def launch_of(
+    env: Mapping[str, str] | None = None,
+    config: Mapping[str, object] | None = None,
+    *,
+    baked_args_path: str = NO_BAKED,
+) -> Launch:
+    """The start ``env`` (and a config file at /vllm_config.yaml with ``config``) makes.
+
+    Files other than the config file are read from the real file system (a baked model file
+    at ``baked_args_path``, a token file under HF_HOME).
+    """
+    env = dict(env or {})
+    files = {CONFIG_PATH: yaml.safe_dump(dict(config))} if config else {}
+
+    def exists(path: str) -> bool:
+        if path == CONFIG_PATH:
+            return path in files
+        import os
+
+        return os.path.exists(path)
+
+    def read_text(path: str) -> str:
+        if path in files:
+            return files[path]
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+
+    settings = Settings(base_path=env.get("BASE_PATH", "/runpod-volume"))
+    builder = Builder(settings, env, catalog_loader=lambda *_: CATALOG,
+                      baked_args_path=baked_args_path, file_exists=exists, read_text=read_text)
+    return builder.launch()

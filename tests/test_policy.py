@@ -1,0 +1,143 @@
+"""The start policy, branch by branch: what one attempt's end makes the worker do next.
+
+Pure and in-process: an attempt (healthy, refused by the hub, exited with its diagnosis, timed
+out), the environment it was built from and what was tried go in; one decision comes out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from worker.diagnosis import Diagnosis
+from worker.errors import PrestartFailed, StartupError
+from worker.policy import (
+    Attempt,
+    Decision,
+    Exited,
+    Fail,
+    Healthy,
+    HubRefused,
+    Relaunch,
+    Serve,
+    TimedOut,
+    decide,
+    logs_for_jobs,
+)
+
+OOM = Diagnosis("out_of_memory", "vLLM ran out of memory.", "Lower MAX_MODEL_LEN.", True)
+TOO_LONG = Diagnosis("max_model_len_too_large", "Too long.", "Set MAX_MODEL_LEN to 4096.")
+DISK_FULL = Diagnosis("disk_full", "The disk is full.", "Give the worker more disk.")
+HUB_NO = StartupError("Hugging Face has no model acme/x. Fix: check MODEL_NAME.",
+                      kind="model_not_found")
+TAIL = ("INFO loading", "RuntimeError: something odd")
+VOLUME = "/runpod-volume"
+ON_VOLUME = {"MODEL_NAME": "m", "VLLM_CACHE_ROOT": f"{VOLUME}/vllm-cache"}
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    attempt: Attempt
+    env: dict[str, str]
+    tried: tuple[str, ...]
+    expected: type[Decision]
+    error_type: str | None = None
+    says: tuple[str, ...] = ()
+
+
+ROWS = [
+    Row("healthy", Healthy(), {}, (), Serve),
+    Row("healthy-after-a-relaunch", Healthy(), {}, ("a relaunch with X",), Serve),
+    Row("hub-preflight-says-no-first", HubRefused(HUB_NO), {}, (), Fail, "startup_error",
+        ("acme/x", "MODEL_NAME")),
+    Row("diagnosed", Exited(1, TAIL, TOO_LONG), {}, (), Fail, "startup_error",
+        ("Too long.", "Fix: Set MAX_MODEL_LEN to 4096.")),
+    Row("oom-relaunches-once", Exited(1, TAIL, OOM), {"MODEL_NAME": "m"}, (), Relaunch),
+    Row("oom-after-the-relaunch-explains-what-was-tried", Exited(1, TAIL, OOM), {},
+        ("a relaunch with ENFORCE_EAGER=true",), Fail, "startup_error",
+        ("Already tried: a relaunch with ENFORCE_EAGER=true.",)),
+    Row("disk-full-on-the-volume-relaunches-with-the-local-cache",
+        Exited(1, TAIL, DISK_FULL), ON_VOLUME, (), Relaunch),
+    Row("disk-full-with-the-users-own-cache-is-explained",
+        Exited(1, TAIL, DISK_FULL), {"VLLM_CACHE_ROOT": "/data/cache"}, (), Fail,
+        "startup_error", ("The disk is full.",)),
+    Row("disk-full-again-after-the-local-relaunch", Exited(1, TAIL, DISK_FULL), {},
+        ("a relaunch with vLLM's cache on the local disk instead of the volume",), Fail,
+        "startup_error", ("Already tried",)),
+    Row("unrecognised", Exited(1, TAIL, None), {}, (), Fail, "prestart_failed",
+        ("exited with code 1", "does not recognise")),
+    Row("timeout", TimedOut(None, TAIL), {}, (), Fail, "prestart_failed",
+        ("not healthy after 300 s", "VLLM_STARTUP_TIMEOUT")),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_decide(row: Row) -> None:
+    decision = decide(row.attempt, row.env, row.tried, startup_timeout=300, base_path=VOLUME)
+    assert isinstance(decision, row.expected), decision
+    if isinstance(decision, Fail):
+        assert decision.error.type == row.error_type
+        for words in row.says:
+            assert words in decision.error.message, (words, decision.error.message)
+
+
+def test_the_oom_relaunch_is_smaller_and_keeps_the_rest() -> None:
+    decision = decide(Exited(1, TAIL, OOM), {"MODEL_NAME": "m", "MAX_NUM_BATCHED_TOKENS": "32768"},
+                      (), startup_timeout=300, base_path=VOLUME)
+    assert decision == Relaunch(
+        {"MODEL_NAME": "m", "MAX_NUM_BATCHED_TOKENS": "8192", "ENFORCE_EAGER": "true"},
+        "ENFORCE_EAGER=true and MAX_NUM_BATCHED_TOKENS=8192",
+    )
+    # A smaller batch the user chose stays.
+    kept = decide(Exited(1, TAIL, OOM), {"MAX_NUM_BATCHED_TOKENS": "2048"}, (),
+                  startup_timeout=300, base_path=VOLUME)
+    assert kept == Relaunch({"MAX_NUM_BATCHED_TOKENS": "2048", "ENFORCE_EAGER": "true"},
+                            "ENFORCE_EAGER=true")
+
+
+def test_the_disk_full_relaunch_only_drops_the_volume_cache() -> None:
+    decision = decide(Exited(1, TAIL, DISK_FULL), {**ON_VOLUME, "X": "1"}, (),
+                      startup_timeout=300, base_path=VOLUME)
+    assert decision == Relaunch({"MODEL_NAME": "m", "X": "1"},
+                                "vLLM's cache on the local disk instead of the volume")
+
+
+def test_the_diagnosis_message_is_masked() -> None:
+    leaky = Diagnosis("bad_argument", "vLLM rejected hf_secret_value.", "Remove it.")
+    decision = decide(Exited(2, TAIL, leaky), {}, (), startup_timeout=300, base_path=VOLUME,
+                      mask=lambda text: text.replace("hf_secret_value", "***"))
+    assert isinstance(decision, Fail)
+    assert "hf_secret_value" not in decision.error.message and "***" in decision.error.message
+
+
+def test_prestart_failed_carries_the_exit_code_and_the_logs() -> None:
+    decision = decide(Exited(3, TAIL, None), {}, (), startup_timeout=300, base_path=VOLUME)
+    assert isinstance(decision, Fail) and isinstance(decision.error, PrestartFailed)
+    assert decision.error.extra["exit_code"] == 3
+    assert decision.error.extra["logs"].endswith("RuntimeError: something odd")
+
+
+def test_the_root_error_comes_first_when_the_tail_lost_it() -> None:
+    # The engine's failure, then hundreds of lines of the API server's wrapper traceback.
+    root = [
+        "(EngineCore pid=9) ERROR 12-01 10:00:00 [core.py:1] Traceback (most recent call last):",
+        '(EngineCore pid=9) ERROR 12-01 10:00:00 [core.py:1]   File "/x/cpu_worker.py", line 9, '
+        "in init_device",
+        "(EngineCore pid=9) ERROR 12-01 10:00:00 [core.py:1] AttributeError: '_OpNamespace' '_C' "
+        "object has no attribute 'init_cpu_memory_env'",
+    ]
+    wrapper = [f'  File "/x/api_server.py", line {n}, in run' for n in range(400)]
+    tail = (*root, "Traceback (most recent call last):", *wrapper,
+            "RuntimeError: Engine core initialization failed. See root cause above. "
+            "Failed core proc(s): {}")
+    logs = logs_for_jobs(tail, 1)
+    assert logs.startswith("Root error (as vLLM printed it):\nTraceback (most recent call last):")
+    assert "AttributeError: '_OpNamespace' '_C' object has no attribute" in logs
+    assert logs.rstrip().endswith("See root cause above. Failed core proc(s): {}")
+    assert len(logs) <= 4000
+
+
+def test_a_root_error_already_in_the_tail_is_not_repeated() -> None:
+    assert logs_for_jobs(TAIL, 1) == "\n".join(TAIL)

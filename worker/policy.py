@@ -1,0 +1,178 @@
+"""The start policy: after one attempt to start vLLM, serve, relaunch once, or give up — and how.
+
+:func:`decide` is pure: what the attempt ended with (healthy, refused by the hub pre-flight,
+exited with its diagnosis, timed out), the environment it was built from and what was
+already tried, in; one :data:`Decision` out. The runner (:mod:`worker.startup`) does what
+it says. Every branch is table-tested without a process.
+
+* healthy → serve;
+* the hub pre-flight proved the start cannot work → that ``startup_error``;
+* out of memory while vLLM sized its buffers → one relaunch with a smaller footprint;
+* a full disk with vLLM's cache on the volume → one relaunch with the cache on local disk;
+* any other diagnosed failure (or one a relaunch did not fix) → ``startup_error``;
+* unrecognised, or no healthy vLLM in time → ``prestart_failed`` with the root error first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from worker.diagnosis import Diagnosis, root_excerpt
+from worker.errors import PrestartFailed, StartupError, WorkerError
+from worker.volume_cache import volume_cache_path
+
+__all__ = [
+    "Attempt",
+    "Decision",
+    "Exited",
+    "Fail",
+    "Healthy",
+    "HubRefused",
+    "Relaunch",
+    "Serve",
+    "TimedOut",
+    "decide",
+    "smaller_footprint",
+]
+
+SMALLER_FOOTPRINT_BATCHED_TOKENS = 8192
+#: The share of a job's ``logs`` given to the root error; the tail gets the rest.
+_LOGS_FOR_JOBS = 4000
+_ROOT_SHARE = 1800
+
+
+# -- what an attempt ended with ------------------------------------------------------------
+@dataclass(frozen=True)
+class Healthy:
+    """vLLM answered its health check."""
+
+
+@dataclass(frozen=True)
+class HubRefused:
+    """The hub pre-flight answered, before vLLM was healthy, that the start cannot work."""
+
+    error: StartupError
+
+
+@dataclass(frozen=True)
+class Exited:
+    """vLLM exited during its start; ``log_tail`` is its last lines (masked)."""
+
+    exit_code: int | None
+    log_tail: tuple[str, ...]
+    diagnosis: Diagnosis | None
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """vLLM was not healthy within VLLM_STARTUP_TIMEOUT (it was then stopped)."""
+
+    exit_code: int | None
+    log_tail: tuple[str, ...]
+
+
+Attempt = Healthy | HubRefused | Exited | TimedOut
+
+
+# -- what to do next -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Serve:
+    """Take jobs."""
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """Start vLLM once more, built from ``env``; ``note`` says what changed."""
+
+    env: Mapping[str, str]
+    note: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Answer jobs with ``error`` (a start no restart fixes, or one for the platform to retry)."""
+
+    error: WorkerError
+
+
+Decision = Serve | Relaunch | Fail
+
+
+def decide(
+    attempt: Attempt,
+    env: Mapping[str, str],
+    tried: Sequence[str],
+    *,
+    startup_timeout: float,
+    base_path: str,
+    mask: Callable[[str], str] = str,
+) -> Decision:
+    """What to do after ``attempt``, started from ``env``, with ``tried`` relaunches behind it."""
+    if isinstance(attempt, Healthy):
+        return Serve()
+    if isinstance(attempt, HubRefused):
+        return Fail(attempt.error)
+    if isinstance(attempt, TimedOut):
+        return Fail(PrestartFailed(
+            f"vLLM was not healthy after {startup_timeout:g} s (VLLM_STARTUP_TIMEOUT).",
+            exit_code=attempt.exit_code,
+            logs=logs_for_jobs(attempt.log_tail, attempt.exit_code),
+        ))
+    diagnosis = attempt.diagnosis
+    if diagnosis is None:
+        return Fail(PrestartFailed(
+            f"vLLM exited with code {attempt.exit_code} during start-up for a reason the worker "
+            "does not recognise; see 'logs'. The platform will retry on a new start.",
+            exit_code=attempt.exit_code,
+            logs=logs_for_jobs(attempt.log_tail, attempt.exit_code),
+        ))
+    if not tried:
+        if diagnosis.recoverable_by_smaller_footprint:
+            changed, note = smaller_footprint(env)
+            return Relaunch(changed, note)
+        if diagnosis.kind == "disk_full" and _cache_on_volume(env, base_path):
+            local = {name: value for name, value in env.items() if name != "VLLM_CACHE_ROOT"}
+            return Relaunch(local, "vLLM's cache on the local disk instead of the volume")
+    message = diagnosis.message
+    if tried:
+        message += f" Already tried: {', '.join(tried)}."
+    return Fail(StartupError(mask(message), kind=diagnosis.kind))
+
+
+def smaller_footprint(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """The environment of the one relaunch after an out-of-memory start, and what changed."""
+    changed = {**env, "ENFORCE_EAGER": "true"}
+    notes = ["ENFORCE_EAGER=true"]
+    current = env.get("MAX_NUM_BATCHED_TOKENS", "").strip()
+    limit = SMALLER_FOOTPRINT_BATCHED_TOKENS
+    if not current.isdigit() or int(current) == 0 or int(current) > limit:
+        changed["MAX_NUM_BATCHED_TOKENS"] = str(limit)
+        notes.append(f"MAX_NUM_BATCHED_TOKENS={limit}")
+    return changed, " and ".join(notes)
+
+
+def _cache_on_volume(env: Mapping[str, str], base_path: str) -> bool:
+    """Whether vLLM's cache was the volume's (a VLLM_CACHE_ROOT elsewhere was the user's)."""
+    current = env.get("VLLM_CACHE_ROOT", "").strip()
+    return bool(current) and os.path.normpath(current) == os.path.normpath(
+        volume_cache_path(base_path)
+    )
+
+
+def logs_for_jobs(log_tail: Sequence[str], exit_code: int | None) -> str:
+    """vLLM's last lines for a job's ``logs``: the root error first, then the tail.
+
+    The tail of a failed start often ends with the API server's wrapper ("Engine core
+    initialization failed. See root cause above"); the root cause itself may be hundreds of
+    lines earlier, so it is put first, where a reader of the job result sees it.
+    """
+    tail = "\n".join(log_tail)
+    root = root_excerpt(log_tail, exit_code)
+    if root is None or root in tail[-_LOGS_FOR_JOBS:]:
+        return tail[-_LOGS_FOR_JOBS:]
+    root = root[-_ROOT_SHARE:]
+    heading = "Root error (as vLLM printed it):\n"
+    rest = _LOGS_FOR_JOBS - len(heading) - len(root) - len("\n\nLast lines:\n")
+    return f"{heading}{root}\n\nLast lines:\n{tail[-max(rest, 0):]}"

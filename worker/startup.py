@@ -1,0 +1,207 @@
+"""Starting vLLM: launch it, wait until it is healthy, and on a failure do what the policy says.
+
+The hub pre-flight runs beside vLLM's load: it costs nothing when all is well, and ends a
+start that cannot work in seconds instead of minutes. No job is taken before vLLM is healthy:
+jobs stay queued on the platform during the cold start. What to do after each attempt is
+decided by :func:`worker.policy.decide`; this module only carries it out.
+
+The parts it drives come in as arguments (the builder, how a process is spawned, the hub
+check), so the start can be run in-process against stand-ins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+from worker.build import Builder
+from worker.config import Launch, VllmCommand
+from worker.diagnosis import diagnose
+from worker.errors import ConfigError, StartupError, WorkerError
+from worker.policy import (
+    Attempt,
+    Exited,
+    Fail,
+    Healthy,
+    HubRefused,
+    Relaunch,
+    Serve,
+    TimedOut,
+    decide,
+)
+from worker.preflight import preflight
+from worker.secrets import SecretMasker
+from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
+
+logger = logging.getLogger("worker")
+
+Spawn = Callable[[Launch], VllmProcess]
+"""Start one vLLM process for a launch (and log its command line)."""
+HubCheck = Callable[[Launch], Coroutine[object, object, StartupError | None]]
+"""The hub pre-flight of a launch: a definite "cannot work", or None."""
+WaitHealthy = Callable[[VllmProcess], Coroutine[object, object, Readiness]]
+"""How one process's start ends: healthy, exited, or timed out."""
+
+
+@dataclass
+class StartOutcome:
+    """What the start ended with: ready (``process`` serves ``command``), or ``error``."""
+
+    error: WorkerError | None = None
+    command: VllmCommand | None = None
+    process: VllmProcess | None = None
+    healthy_at: float | None = None
+    tried: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.error is None
+
+
+def missing_baked_model(
+    command: VllmCommand, path_exists: Callable[[str], bool] = os.path.exists
+) -> StartupError | None:
+    """A model baked into the image must be there: the hub is never asked for it."""
+    model = command.baked_model
+    if model is None or not model.startswith("/") or path_exists(model):
+        return None
+    return StartupError(
+        f"The model baked into the image is missing: {model} does not exist "
+        f"({command.source('--model')}). Fix: rebuild the image with the MODEL_NAME build "
+        "argument (and HF_TOKEN as a build secret for a gated model), or remove "
+        "/local_model_args.json to load MODEL_NAME at start.",
+        kind="baked_model_missing",
+    )
+
+
+class Startup:
+    """The start of vLLM for one worker: attempts, the hub check, relaunches, the outcome."""
+
+    def __init__(
+        self,
+        builder: Builder,
+        *,
+        masker: SecretMasker,
+        settings_error: ConfigError | None = None,
+        spawn: Spawn | None = None,
+        hub_check: HubCheck | None = None,
+        wait_healthy: WaitHealthy | None = None,
+    ) -> None:
+        self.builder = builder
+        self.settings = builder.settings
+        self._masker = masker
+        self._settings_error = settings_error
+        self._spawn = spawn or self._spawn_vllm
+        self._hub_check = hub_check or self._preflight
+        self._wait_healthy = wait_healthy or self._wait_until_healthy
+        self.process: VllmProcess | None = None
+        """The vLLM of the latest attempt (stopped by the runner at the end)."""
+
+    async def run(self) -> StartOutcome:
+        """Start vLLM until it is healthy or the policy gives up; never raises a WorkerError."""
+        if self._settings_error is not None:
+            return StartOutcome(self._settings_error)
+        env, cache = await asyncio.to_thread(self.builder.with_volume_cache)
+        if cache.path is not None:
+            logger.info("vLLM cache on the volume: VLLM_CACHE_ROOT=%s", cache.path)
+        elif cache.reason:
+            logger.info("vLLM cache stays local: %s", cache.reason)
+        try:
+            launch = self._build(env)
+        except ConfigError as exc:
+            return StartOutcome(exc)
+        if (missing := missing_baked_model(launch.command)) is not None:
+            return StartOutcome(missing, launch.command)
+
+        hub: asyncio.Task[StartupError | None] = asyncio.create_task(self._hub_check(launch))
+        tried: list[str] = []
+        try:
+            while True:
+                self.process = self._spawn(launch)
+                attempt = await self._attempt(self.process, launch, hub)
+                decision = decide(
+                    attempt, env, tried,
+                    startup_timeout=self.settings.startup_timeout,
+                    base_path=self.settings.base_path,
+                    mask=self._masker.mask,
+                )
+                if isinstance(decision, Serve):
+                    return StartOutcome(None, launch.command, self.process, time.monotonic(),
+                                        tried)
+                if isinstance(decision, Fail):
+                    return StartOutcome(decision.error, launch.command, self.process, None, tried)
+                assert isinstance(decision, Relaunch)
+                tried.append(f"a relaunch with {decision.note}")
+                logger.warning("relaunching vLLM once with %s", decision.note)
+                env = dict(decision.env)
+                try:
+                    launch = self._build(env)
+                except ConfigError as exc:
+                    return StartOutcome(exc, launch.command, self.process, None, tried)
+        finally:
+            hub.cancel()
+
+    def _build(self, env: dict[str, str]) -> Launch:
+        launch = self.builder.launch(env)
+        for warning in launch.command.warnings:
+            logger.warning("%s", self._masker.mask(warning))
+        return launch
+
+    def _spawn_vllm(self, launch: Launch) -> VllmProcess:
+        process = VllmProcess(launch.command.argv, launch.env, masker=self._masker)
+        logger.info("launching: %s", launch.command.shell_line(self._masker))
+        process.start()
+        return process
+
+    async def _attempt(
+        self, process: VllmProcess, launch: Launch, hub: asyncio.Task[StartupError | None]
+    ) -> Attempt:
+        """How one attempt ends: healthy, refused by the hub, exited, or timed out."""
+        health = asyncio.ensure_future(self._wait_healthy(process))
+        waiting: set[asyncio.Future[Readiness] | asyncio.Task[StartupError | None]] = {
+            health, hub}
+        while True:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if hub in done:
+                waiting.discard(hub)
+                if not hub.cancelled() and (error := hub.result()) is not None:
+                    health.cancel()
+                    process.stop(grace=2.0)
+                    return HubRefused(error)
+            if health in done:
+                break
+        if health.result() is Readiness.HEALTHY:
+            logger.info(
+                "vLLM healthy after %.1f s (%s)",
+                time.monotonic() - process.timeline.launched_at, process.timeline.summary(),
+            )
+            return Healthy()
+        process.stop()  # also ends engine children that would hold the pipe open
+        process.drain_output()
+        tail, code = tuple(process.tail()), process.returncode  # masked as it was read
+        if health.result() is Readiness.TIMED_OUT:
+            return TimedOut(code, tail)
+        return Exited(code, tail, diagnose(tail, code, launch))
+
+    async def _wait_until_healthy(self, process: VllmProcess) -> Readiness:
+        return await wait_until_healthy(process, self.settings.base_url,
+                                        timeout=self.settings.startup_timeout)
+
+    async def _preflight(self, launch: Launch) -> StartupError | None:
+        """Ask the hub whether the model can be had; a definite no is a StartupError."""
+        try:
+            result = await preflight(launch.command, launch.hub,
+                                     timeout=self.settings.hub_check_timeout)
+        except Exception as exc:  # a bug here must never stop a start that would work
+            logger.warning("hub pre-flight skipped: %s", exc)
+            return None
+        for warning in result.warnings:
+            logger.warning("hub pre-flight: %s", self._masker.mask(warning))
+        if result.checked:
+            logger.info("startup: hub pre-flight of %s took %.1f s",
+                        ", ".join(result.checked), result.seconds)
+        return result.startup_error
