@@ -12,10 +12,13 @@ The variables are the Dockerfile's build arguments. ``MODEL_NAME`` is a Hugging 
 
     {"MODEL_NAME": "/models/models--org--name/snapshots/<commit>",
      "TOKENIZER_NAME": "/models/models--org--name/snapshots/<commit>",
+     "SERVED_MODEL_NAME": "org/name",
      "QUANTIZATION": "awq"}
 
 At start-up the worker reads that file: its values replace the environment's, and vLLM runs
-with ``HF_HUB_OFFLINE=1`` (see ``_read_baked_args`` in ``worker/command.py``).
+with ``HF_HUB_OFFLINE=1`` (see ``_read_baked_args`` in ``worker/command.py``). The served
+name is a default only: clients keep sending ``"model": "org/name"`` as they would to a model
+loaded at start, and a served name set on the endpoint wins.
 
 The model lives outside ``BASE_PATH`` on purpose: a network volume is mounted at
 ``BASE_PATH`` (``/runpod-volume``) and would hide anything the image put there.
@@ -163,6 +166,9 @@ def bake(env: Mapping[str, str], dest: Path, args_file: Path, token_file: Path) 
     # The model's own folder holds its tokenizer: name it, so that a TOKENIZER_NAME left in
     # the endpoint's environment cannot send the offline worker to the Hub.
     baked.setdefault("TOKENIZER_NAME", baked["MODEL_NAME"])
+    # Served under the name the build was given (the repo id, or a local folder's name), not
+    # under the path it landed at.
+    baked["SERVED_MODEL_NAME"] = model if not Path(model).is_dir() else Path(model).resolve().name
     if quantization:
         baked["QUANTIZATION"] = quantization
     write_args(args_file, baked)

@@ -144,3 +144,37 @@ def test_how_a_source_tells_the_user_to_change_a_flag(
 ) -> None:
     assert source.setting("--max-model-len") == setting
     assert source.assignment("--max-model-len", "4096") == assignment
+
+
+BAKED = '{"MODEL_NAME": "/models/m", "SERVED_MODEL_NAME": "org/name"}'
+
+
+@pytest.mark.parametrize(
+    ("env", "config", "names"),
+    [
+        ({}, None, ("org/name",)),
+        ({"SERVED_MODEL_NAME": "mine"}, None, ("mine",)),
+        ({"OPENAI_SERVED_MODEL_NAME_OVERRIDE": "mine"}, None, ("mine",)),
+        ({"VLLM_EXTRA_ARGS": "--served-model-name mine"}, None, ("mine",)),
+        ({}, {"served-model-name": "mine"}, ("mine",)),
+    ],
+    ids=["repo-id", "env", "alias", "extra-args", "config"],
+)
+def test_a_baked_model_is_served_under_its_repo_id_unless_named(
+    tmp_path: Path, env: dict[str, str], config: dict[str, object] | None,
+    names: tuple[str, ...],
+) -> None:
+    baked = tmp_path / "local_model_args.json"
+    baked.write_text(BAKED)
+    command = launch_of(env, config, baked_args_path=str(baked)).command
+    assert command.served_model_names == names
+    assert command.model == "/models/m"
+    assert not [w for w in command.warnings if "SERVED_MODEL_NAME" in w]
+
+
+def test_a_baked_value_replacing_the_users_own_is_a_warning(tmp_path: Path) -> None:
+    baked = tmp_path / "local_model_args.json"
+    baked.write_text('{"MODEL_NAME": "/models/m", "QUANTIZATION": "awq"}')
+    command = launch_of({"QUANTIZATION": "gptq"}, baked_args_path=str(baked)).command
+    assert command.value("--quantization") == "awq"
+    assert f"QUANTIZATION='gptq' is replaced by 'awq' from {baked}" in " ".join(command.warnings)

@@ -326,7 +326,8 @@ def test_download_copies_a_local_model_folder(local_model: Path, tmp_path: Path)
     assert done.returncode == 0, done.stderr
     args = baked_args(tmp_path)
     copy = tmp_path / "models" / "my-model"
-    assert args == {"MODEL_NAME": str(copy), "TOKENIZER_NAME": str(copy), "QUANTIZATION": "awq"}
+    assert args == {"MODEL_NAME": str(copy), "TOKENIZER_NAME": str(copy),
+                    "SERVED_MODEL_NAME": "my-model", "QUANTIZATION": "awq"}
     assert (copy / "model.safetensors").read_bytes() == b"\0" * 16
     assert json.loads(done.stdout) == args
 
@@ -374,7 +375,8 @@ def test_download_from_the_hub_cache_with_revisions(tmp_path: Path) -> None:
                          "MODEL_REVISION": "main", "TOKENIZER_NAME": "acme/tok",
                          "TOKENIZER_REVISION": "v1"}, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert baked_args(tmp_path) == {"MODEL_NAME": str(model), "TOKENIZER_NAME": str(tokenizer)}
+    assert baked_args(tmp_path) == {"MODEL_NAME": str(model), "TOKENIZER_NAME": str(tokenizer),
+                                    "SERVED_MODEL_NAME": "acme/tiny"}
 
 
 @pytest.mark.vllm
@@ -384,7 +386,8 @@ def test_download_runs_on_vllms_python_too(vllm_python: str, tmp_path: Path) -> 
     done = run_download({"HF_HUB_OFFLINE": "1", "MODEL_NAME": "acme/tiny"}, tmp_path,
                         python=vllm_python)
     assert done.returncode == 0, done.stderr
-    assert baked_args(tmp_path) == {"MODEL_NAME": str(model), "TOKENIZER_NAME": str(model)}
+    assert baked_args(tmp_path) == {"MODEL_NAME": str(model), "TOKENIZER_NAME": str(model),
+                                    "SERVED_MODEL_NAME": "acme/tiny"}
 
 
 @pytest.mark.parametrize(

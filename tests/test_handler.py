@@ -251,3 +251,81 @@ def test_a_non_loopback_backend_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="loopback"):
         Proxy(Settings(vllm_base_url="http://10.0.0.5:8000"))
+
+
+# -- the time bound of a batch (DEFAULT_MAX_BATCH_DELAY / max_batch_delay) -------------------
+async def timed_yields(proxy: Proxy, **batching: float) -> tuple[list[str], list[float]]:
+    """A stream of 60 events 40 ms apart (a reader's pace), read as the SDK reads it."""
+    loop = asyncio.get_running_loop()
+    items, times = [], []
+    async for item in proxy.handle({"id": "t", "input": {
+        "openai_route": "/v1/completions",
+        "openai_input": {"prompt": "x", "stream": True, "fake": {"events": 60, "delay": 0.04}},
+        **batching,
+    }}):
+        items.append(item)
+        times.append(loop.time())
+    return items, times
+
+
+def largest_gap(times: list[float]) -> float:
+    return max(later - earlier for earlier, later in zip(times, times[1:], strict=False))
+
+
+async def test_a_slow_stream_is_yielded_within_the_delay(proxy: Proxy) -> None:
+    items, times = await timed_yields(proxy, max_batch_size=50, max_batch_delay=0.2)
+    assert "".join(items).encode() == expected_stream(60)
+    gap = largest_gap(times)
+    print(f"max_batch_delay 0.2 s: {len(items)} yields, largest gap {gap:.2f} s")
+    # 0.2 s plus one event's 40 ms, with room for a loaded machine: not the 1.1 s a full
+    # batch of 27 events takes at this pace.
+    assert gap < 0.6 and len(items) >= 8
+
+
+async def test_without_a_delay_a_slow_stream_waits_for_full_batches(proxy: Proxy) -> None:
+    items, times = await timed_yields(proxy, max_batch_size=50, max_batch_delay=0)
+    assert "".join(items).encode() == expected_stream(60)
+    gap = largest_gap(times)
+    print(f"max_batch_delay 0: {len(items)} yields, largest gap {gap:.2f} s")
+    assert gap > 0.9 and len(items) <= 5  # 1, 3, 9, 27 (≈ 1.1 s at this pace), the rest
+
+
+async def test_the_delay_default_comes_from_the_settings(backend: FakeOpenAI) -> None:
+    slow = Proxy(Settings(vllm_base_url=backend.url, default_max_batch_delay=0.2))
+    try:
+        _, times = await timed_yields(slow, max_batch_size=50)
+    finally:
+        await slow.aclose()
+    assert largest_gap(times) < 0.6
+
+
+async def test_a_negative_delay_is_an_invalid_request(proxy: Proxy) -> None:
+    items = await run(proxy, {"prompt": "x", "stream": True, "max_batch_delay": -1})
+    assert error_of(items)["message"] == (
+        "'max_batch_delay' must be a number of seconds, 0 or more.")
+
+
+# -- DEFAULT_MAX_TOKENS ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("job_input", "expected"),
+    [
+        ({"prompt": "x"}, 40),
+        ({"messages": [{"role": "user", "content": "x"}]}, 40),
+        ({"prompt": "x", "sampling_params": {"max_tokens": 3}}, 3),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "sampling_params": {"max_completion_tokens": 5}}, None),
+        ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x"}}, None),
+        ({"route": "/v1/completions", "body": {"prompt": "x"}}, None),
+    ],
+    ids=["prompt", "messages", "own-max-tokens", "own-max-completion-tokens", "openai-route",
+         "route"],
+)
+async def test_default_max_tokens_fills_in_for_shorthand_jobs_only(
+    backend: FakeOpenAI, job_input: dict[str, Any], expected: int | None
+) -> None:
+    proxy = Proxy(Settings(vllm_base_url=backend.url, default_max_tokens=40))
+    try:
+        items = await run(proxy, job_input)
+    finally:
+        await proxy.aclose()
+    assert items[0]["echo"].get("max_tokens") == expected

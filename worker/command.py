@@ -44,6 +44,11 @@ ALIASES: Mapping[str, str] = {
     "CUSTOM_CHAT_TEMPLATE": "--chat-template",
 }
 
+#: Variables of the baked-model file that are defaults, not overrides: the user's own
+#: setting (a variable, the config file, VLLM_EXTRA_ARGS) wins. The image serves its model
+#: under the repo id it was built from, unless the endpoint names it otherwise.
+BAKED_DEFAULTS: frozenset[str] = frozenset({"SERVED_MODEL_NAME"})
+
 #: Flags the worker sets itself, last, so that its proxy always finds vLLM.
 PINNED_FLAGS: Mapping[str, str] = {
     "--host": "the worker pins vLLM's host (127.0.0.1) so that only its proxy reaches it",
@@ -154,12 +159,12 @@ def build_command(
         baked = _read_baked_args(baked_args_path, read_text)
         for name, value in baked.items():
             mine = env.get(name, "").strip()
-            if mine and mine != value:
+            if mine and mine != value and name not in BAKED_DEFAULTS:
                 warnings.append(
                     f"{name}={mine!r} is replaced by {value!r} from {baked_args_path} (the model "
                     "baked into the image); rebuild the image to change it"
                 )
-        values.update(baked)
+        values.update({k: v for k, v in baked.items() if k not in BAKED_DEFAULTS})
         env_overrides["HF_HUB_OFFLINE"] = "1"
 
     config_path, config_flags = _config_file(values, catalog, config_default, file_exists,
@@ -173,6 +178,14 @@ def build_command(
 
     chosen = _choose(values, catalog, baked, baked_args_path, warnings)
     extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings)
+    # A baked default (the repo id as the served name) applies where the user set nothing.
+    for name, value in baked.items():
+        flag = catalog.by_env_name(name)
+        if name in BAKED_DEFAULTS and flag is not None and not (
+            {flag.name} & (chosen.keys() | extra_flags.keys() | flags.keys())
+        ):
+            chosen[flag.name] = _Choice(flag, name, value,
+                                        FlagSource("baked", name, baked_args_path), 0)
 
     model: list[str] = []
     flag_args: list[str] = []

@@ -38,7 +38,7 @@ from worker.errors import (
     VllmError,
     WorkerError,
 )
-from worker.routing import BatchPolicy, VllmRequest, parse_job_input
+from worker.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input
 from worker.settings import Settings
 
 logger = logging.getLogger("worker.handler")
@@ -116,10 +116,13 @@ class _SseRelay:
     def __init__(self, response: httpx.Response) -> None:
         self._pending: list[str] = []
         self._pending_events = 0
+        self._first_pending_at = 0.0  # when the oldest event still waiting arrived
         self._finished = False
         self._error: BaseException | None = None
         self._wakeup = asyncio.Event()
         self._target = 1  # events the consumer waits for; wake it only then
+        self._wake_on_first = False  # ... or at the first one, to start its clock
+        self._loop = asyncio.get_running_loop()
         self._response = response
         self._reader = asyncio.create_task(self._read(response.aiter_bytes()))
 
@@ -138,14 +141,10 @@ class _SseRelay:
                 for match in _EVENT_END.finditer(buffer, scan_from):
                     cut, count = match.end(), count + 1
                 if count:
-                    self._pending.append(buffer[:cut].decode("utf-8", errors="replace"))
+                    self._add(buffer[:cut].decode("utf-8", errors="replace"), count)
                     del buffer[:cut]
-                    self._pending_events += count
-                    if self._pending_events >= self._target:
-                        self._wakeup.set()
             if buffer:  # an unterminated last event: relay it as it is
-                self._pending.append(buffer.decode("utf-8", errors="replace"))
-                self._pending_events += 1
+                self._add(buffer.decode("utf-8", errors="replace"), 1)
         except Exception as exc:  # handed to the consumer, which maps it
             self._error = exc
         finally:
@@ -153,13 +152,42 @@ class _SseRelay:
             self._wakeup.set()
             await self._response.aclose()
 
+    def _add(self, text: str, events: int) -> None:
+        if not self._pending_events:
+            self._first_pending_at = self._loop.time()
+        self._pending.append(text)
+        self._pending_events += events
+        if self._pending_events >= self._target or self._wake_on_first:
+            self._wakeup.set()
+
+    async def _wait_for_batch(self, target: int, max_delay: float) -> None:
+        """Until ``target`` events wait, the stream ends, or the oldest waited ``max_delay`` s.
+
+        The clock of an event starts when it arrives or when this is called, whichever is
+        later: the consumer calls it once the previous batch was posted.
+        """
+        self._target = target
+        resumed = self._loop.time()
+        while self._pending_events < target and not self._finished:
+            self._wakeup.clear()
+            if not (max_delay and self._pending_events):
+                self._wake_on_first = bool(max_delay)
+                await self._wakeup.wait()
+                continue
+            self._wake_on_first = False
+            deadline = max(self._first_pending_at, resumed) + max_delay
+            if deadline <= self._loop.time():
+                return
+            timer = self._loop.call_at(deadline, self._wakeup.set)
+            try:
+                await self._wakeup.wait()
+            finally:
+                timer.cancel()
+
     async def batches(self, policy: BatchPolicy) -> AsyncIterator[str]:
         sizes = policy.sizes()
         while True:
-            self._target = sizes.current
-            while self._pending_events < sizes.current and not self._finished:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+            await self._wait_for_batch(sizes.current, policy.max_delay)
             if self._pending:
                 text = "".join(self._pending)
                 self._pending.clear()
@@ -202,10 +230,14 @@ class Proxy:
         self._client: httpx.AsyncClient | None = None
         self._backend_failure = backend_failure
         self._dead_reason: str | None = None
-        self._batch_defaults = BatchPolicy(
-            max_batch_size=settings.default_batch_size,
-            min_batch_size=settings.default_min_batch_size,
-            growth_factor=settings.default_batch_size_growth_factor,
+        self._job_defaults = JobDefaults(
+            BatchPolicy(
+                max_batch_size=settings.default_batch_size,
+                min_batch_size=settings.default_min_batch_size,
+                growth_factor=settings.default_batch_size_growth_factor,
+                max_delay=settings.default_max_batch_delay,
+            ),
+            max_tokens=settings.default_max_tokens,
         )
         read_timeout = settings.request_timeout or None
         self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
@@ -246,7 +278,7 @@ class Proxy:
         try:
             if self._dead_reason is not None:
                 raise BackendUnavailable(self._dead_reason)
-            request = parse_job_input(job.get("input"), self._batch_defaults)
+            request = parse_job_input(job.get("input"), self._job_defaults)
             request = await self._with_default_model(request)
             async for item in self._forward(request):
                 yield item

@@ -27,19 +27,37 @@ ALLOWED_METHODS = frozenset({"GET", "POST", "DELETE"})
 # A plain absolute path: RFC 3986 path characters, then an optional query string.
 _ROUTE = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*(\?[A-Za-z0-9\-._~!$&'()*+,;=:@%/?]*)?")
 _MAX_ROUTE_LENGTH = 2048
-_BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
+_BATCH_KEYS = ("max_batch_size", "min_batch_size", "batch_size_growth_factor", "max_batch_delay")
+#: The fields of a request body that set how many tokens to generate.
+_MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens")
+#: A delay this long means "no time bound" (it also keeps the arithmetic within floats).
+_MAX_DELAY = 3600.0
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    """How many SSE events go into each streamed yield (see :mod:`worker.handler`)."""
+    """How many SSE events go into each streamed yield (see :mod:`worker.handler`).
+
+    ``max_delay``: once an event is waiting (and the previous yield was posted), the yield
+    happens within this many seconds even if the batch is not full (0: no time bound).
+    """
 
     max_batch_size: int = 50
     min_batch_size: int = 1
     growth_factor: float = 3.0
+    max_delay: float = 0.0
 
     def sizes(self) -> _BatchSizes:
         return _BatchSizes(self)
+
+
+@dataclass(frozen=True)
+class JobDefaults:
+    """What a job gets when it does not say: stream batching, and (for the prompt and
+    messages shapes) the number of tokens to generate (None: vLLM's own default)."""
+
+    batch: BatchPolicy = BatchPolicy()
+    max_tokens: int | None = None
 
 
 # Past this many events a batch means "everything buffered": it also keeps the arithmetic
@@ -102,6 +120,7 @@ def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy
         "max_batch_size": defaults.max_batch_size,
         "min_batch_size": defaults.min_batch_size,
         "growth_factor": defaults.growth_factor,
+        "max_delay": defaults.max_delay,
     }
     for key in _BATCH_KEYS:
         if key not in data or data[key] is None:
@@ -109,7 +128,15 @@ def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy
         value = data[key]
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequest(f"'{key}' must be a number.")
-        if key == "batch_size_growth_factor":
+        if key == "max_batch_delay":
+            try:
+                delay = float(value)
+            except OverflowError:
+                delay = math.inf
+            if math.isnan(delay) or delay < 0:
+                raise InvalidRequest("'max_batch_delay' must be a number of seconds, 0 or more.")
+            values["max_delay"] = min(delay, _MAX_DELAY)
+        elif key == "batch_size_growth_factor":
             try:
                 factor = float(value)
             except OverflowError:
@@ -137,11 +164,11 @@ def _stream_flag(body: object, field: str) -> bool:
     return stream
 
 
-def parse_job_input(job_input: object, defaults: BatchPolicy = BatchPolicy()) -> VllmRequest:
+def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) -> VllmRequest:
     """Map a job's ``input`` to a :class:`VllmRequest`; raise InvalidRequest if it can't."""
     if not isinstance(job_input, dict):
         raise InvalidRequest("The job's 'input' must be a JSON object.")
-    batch = _batch_policy(job_input, defaults)
+    batch = _batch_policy(job_input, defaults.batch)
 
     if "openai_route" in job_input:
         route = check_route(job_input["openai_route"], "openai_route")
@@ -169,7 +196,7 @@ def parse_job_input(job_input: object, defaults: BatchPolicy = BatchPolicy()) ->
         return VllmRequest(method, route, body, _stream_flag(body, "body"), batch)
 
     if "messages" in job_input or "prompt" in job_input:
-        return _classic_request(job_input, batch)
+        return _classic_request(job_input, batch, defaults.max_tokens)
 
     raise InvalidRequest(
         "The job's input has no known shape: give 'messages' or 'prompt' (with optional "
@@ -178,7 +205,9 @@ def parse_job_input(job_input: object, defaults: BatchPolicy = BatchPolicy()) ->
     )
 
 
-def _classic_request(job_input: Mapping[str, Any], batch: BatchPolicy) -> VllmRequest:
+def _classic_request(
+    job_input: Mapping[str, Any], batch: BatchPolicy, max_tokens: int | None
+) -> VllmRequest:
     sampling = job_input.get("sampling_params", {})
     if sampling is None:
         sampling = {}
@@ -192,6 +221,8 @@ def _classic_request(job_input: Mapping[str, Any], batch: BatchPolicy) -> VllmRe
         raise InvalidRequest("'apply_chat_template' must be true or false.")
 
     body: dict[str, Any] = dict(sampling)
+    if max_tokens is not None and all(body.get(key) is None for key in _MAX_TOKENS_KEYS):
+        body["max_tokens"] = max_tokens  # DEFAULT_MAX_TOKENS: the job did not say
     if "messages" in job_input:
         messages = job_input["messages"]
         if not isinstance(messages, list) or not messages:

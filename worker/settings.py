@@ -96,6 +96,12 @@ SETTINGS: tuple[Setting, ...] = (
             _growth_factor,
             "Factor by which the batch grows after each yield (a job's batch_size_growth_factor "
             "wins)."),
+    Setting("DEFAULT_MAX_BATCH_DELAY", "default_max_batch_delay", 0.25, _non_negative_float,
+            "Seconds an SSE event may wait for its batch to fill once the previous yield was "
+            "posted; 0 waits for the full batch (a job's max_batch_delay wins)."),
+    Setting("DEFAULT_MAX_TOKENS", "default_max_tokens", None, _positive_int,
+            "Tokens to generate for a prompt or messages job that sets no max_tokens (unset: "
+            "vLLM's default, 16 for a prompt, up to the context for messages)."),
     Setting("REQUEST_TIMEOUT", "request_timeout", 600.0, _non_negative_float,
             "Seconds without a byte from vLLM before a job fails with `timeout` "
             "(a read timeout, not a cap on a long stream)."),
@@ -144,6 +150,8 @@ class Settings:
     default_batch_size: int = 50
     default_min_batch_size: int = 1
     default_batch_size_growth_factor: float = 3.0
+    default_max_batch_delay: float = 0.25
+    default_max_tokens: int | None = None
     request_timeout: float = 600.0
     startup_timeout: float = 1200.0
     drain_timeout: float = 30.0
