@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +68,68 @@ def test_a_bad_worker_setting_is_reported(value: str) -> None:
     result = run_worker("--dry-run", env={"MODEL_NAME": "m", "VLLM_PORT": value})
     assert result.returncode == 2
     assert f"VLLM_PORT='{value}'" in result.stderr
+
+
+# -- --test_input: one job, its result printed as the platform has it -------------------------
+def fake_vllm_env(tmp_path: Path) -> dict[str, str]:
+    """A worker on the stand-in vLLM (starts in a fraction of a second)."""
+    from tests.fake_vllm import free_port, write_wrapper
+
+    return {"VLLM_EXECUTABLE": str(write_wrapper(tmp_path / "bin")), "MODEL_NAME": "fake-model",
+            "VLLM_PORT": str(free_port()), "HF_HUB_OFFLINE": "1",
+            "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+def run_test_job(job: Mapping[str, object], tmp_path: Path, **env: str) -> tuple[
+        subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``python -m worker --test_input JOB`` with the stand-in vLLM; its exit and result."""
+    done = run_worker("--test_input", json.dumps(job), env={**fake_vllm_env(tmp_path), **env})
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr
+    result: dict[str, Any] = json.loads(lines[-1])
+    return done, result
+
+
+def test_test_input_prints_the_result_of_a_job(tmp_path: Path) -> None:
+    done, result = run_test_job({"input": {"prompt": "Hello"}}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert result["status"] == "COMPLETED" and result["id"] == "local_test"
+    [answer] = result["output"]
+    assert answer["echo"]["prompt"] == "Hello"
+    assert "async_generator" not in done.stdout + done.stderr
+
+
+def test_test_input_aggregates_a_stream(tmp_path: Path) -> None:
+    from tests.fake_openai import expected_stream
+
+    job = {"id": "s", "input": {"prompt": "Hi", "stream": True,
+                                "sampling_params": {"fake": {"events": 12}}}}
+    done, result = run_test_job(job, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert result["id"] == "s"
+    output = result["output"]
+    assert isinstance(output, list) and output  # the pieces as streamed, in order
+    assert "".join(output).encode() == expected_stream(12)
+
+
+def test_test_input_of_a_failed_start_prints_the_startup_error_and_exits_1(
+    tmp_path: Path,
+) -> None:
+    done, result = run_test_job({"input": {"prompt": "Hello"}}, tmp_path, ENFORCE_EAGER="maybe")
+    assert done.returncode == 1
+    assert result["status"] == "FAILED"
+    error = json.loads(str(result["error"]))
+    assert error["type"] == "startup_error" and "ENFORCE_EAGER='maybe'" in error["message"]
+
+
+@pytest.mark.parametrize(("expected", "status"), [([""], 0), (["something else"], 1)])
+def test_test_output_is_compared(expected: list[str], status: int, tmp_path: Path) -> None:
+    # /health answers an empty body: the output is [""].
+    done = run_worker("--test_input", '{"input": {"route": "/health"}}',
+                      "--test_output", json.dumps(expected), env=fake_vllm_env(tmp_path))
+    assert done.returncode == status, done.stderr
+
+
+def test_test_input_that_is_no_job_is_refused(tmp_path: Path) -> None:
+    done = run_worker("--test_input", '{"prompt": "no input key"}', env={"MODEL_NAME": "m"})
+    assert done.returncode == 2 and '{"input": {"prompt": "Hello"}}' in done.stderr

@@ -12,6 +12,7 @@ composition of the same parts (:mod:`worker.build`, :mod:`worker.startup`,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from worker.build import Builder, vllm_environment
 from worker.errors import ConfigError
@@ -97,14 +99,20 @@ def has_gpu() -> bool:
 
 
 def local_sdk_args(settings: Settings, sdk_args: list[str]) -> list[str]:
-    """The SDK's arguments for local mode: its API on 127.0.0.1:PORT unless told otherwise.
-
-    ``--test_input`` runs one job instead of the API, as the SDK documents it.
-    """
-    if any(arg.startswith(("--test_input", "--rp_serve_api")) for arg in sdk_args):
+    """The SDK's arguments for local mode: its API on 127.0.0.1:PORT unless told otherwise."""
+    if "--rp_serve_api" in sdk_args:
         return sdk_args
     return ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", str(settings.port),
             *sdk_args]
+
+
+def _test_job(job_text: str, output_text: str | None) -> tuple[dict[str, Any], object]:
+    """The job of ``--test_input`` and the output of ``--test_output``; ValueError if bad."""
+    job = json.loads(job_text)
+    if not isinstance(job, dict) or not isinstance(job.get("input"), dict):
+        raise ValueError('give a job such as \'{"input": {"prompt": "Hello"}}\'')
+    job.setdefault("id", "local_test")
+    return job, (json.loads(output_text) if output_text is not None else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,6 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true",
         help="print the `vllm serve` command built from the environment and exit",
+    )
+    parser.add_argument(
+        "--test_input", metavar="JSON",
+        help='start vLLM, run one job (\'{"input": {...}}\'), print its result and exit '
+             "(1 when the job fails)",
+    )
+    parser.add_argument(
+        "--test_output", metavar="JSON",
+        help="with --test_input: also exit 1 when the job's output differs from this",
     )
     args, sdk_args = parser.parse_known_args(argv)
     env = dict(os.environ)
@@ -138,6 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode = "serverless"
     if args.dry_run:
         return dry_run(Builder(settings, env), masker)
+    test_job = None
+    if args.test_input is not None:
+        try:
+            test_job = _test_job(args.test_input, args.test_output)
+        except ValueError as exc:
+            print(f"--test_input: {exc}", file=sys.stderr)
+            return 2
+        mode = "local"
     if mode == "http":
         return exec_http(settings, env, masker)
 
@@ -148,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {**CPU_DEFAULTS, **env}
     startup = Startup(Builder(settings, env), masker=masker, settings_error=settings_error)
     worker = QueueWorker(settings, startup, started_at=started)
+    if test_job is not None:
+        return worker.run_test_job(*test_job)
     if mode == "serverless":
         return worker.run_serverless()
     return worker.run_local(local_sdk_args(settings, sdk_args))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
@@ -97,6 +98,44 @@ class QueueWorker:
             return 0 if outcome.ready else 1
         finally:
             self.stop_vllm()
+
+    def run_test_job(self, job: Job, expected_output: object = None) -> int:
+        """Start, run one job (``--test_input``) and print its result as the platform has it.
+
+        The SDK's own local runner does not iterate a generator handler (it would print
+        ``<async_generator ...>``), so the job runs here, its outputs aggregated as
+        ``/runsync`` returns them. Exit status 1 for a failed job, or one whose output is not
+        ``expected_output`` (``--test_output``), as the SDK's runner does.
+        """
+        try:
+            outcome = asyncio.run(self._interruptible(self._prestart()))
+            if outcome is None:
+                return 0
+            result = asyncio.run(self._run_one(outcome, job))
+        finally:
+            self.stop_vllm()
+        print(json.dumps(result, ensure_ascii=False))
+        if "error" in result:
+            logger.error("test job %s failed", job.get("id"))
+            return 1
+        if expected_output is not None and result["output"] != expected_output:
+            logger.error("test job %s: the output is not --test_output", job.get("id"))
+            return 1
+        logger.info("test job %s completed", job.get("id"))
+        return 0
+
+    async def _run_one(self, outcome: StartOutcome, job: Job) -> dict[str, Any]:
+        proxy = self._proxy(outcome)
+        outputs: list[Any] = []
+        try:
+            async for item in self._handler(outcome, proxy)(job):
+                if isinstance(item, dict) and "error" in item:
+                    return {"id": job.get("id"), "status": "FAILED", "error": item["error"]}
+                outputs.append(item)
+        finally:
+            if proxy is not None:
+                await proxy.aclose()
+        return {"id": job.get("id"), "status": "COMPLETED", "output": outputs}
 
     def stop_vllm(self) -> None:
         if self.startup.process is not None:
