@@ -4,7 +4,8 @@
     RUNPOD_ENDPOINT_ID=... RUNPOD_API_KEY=... python examples/openai_models.py
 
 The name is OPENAI_SERVED_MODEL_NAME_OVERRIDE / SERVED_MODEL_NAME when set, else MODEL_NAME
-(for a model baked into the image: the MODEL_NAME build argument), plus any LoRA adapters. BASE_URL replaces https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID/openai/v1.
+(for a model baked into the image: the MODEL_NAME build argument), plus any LoRA adapters.
+BASE_URL replaces https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID/openai/v1.
 """
 
 from __future__ import annotations

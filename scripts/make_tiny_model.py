@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-call"
 """Build a tiny random-weight Llama model folder that the real `vllm serve` can load.
 
-    python scripts/make_tiny_model.py OUT_DIR [--seed N]
+    python scripts/make_tiny_model.py OUT_DIR [--seed N] [--lora LORA_DIR]
 
 Why: tests and CI must start a real vLLM server on a CPU-only machine that cannot reach the
 Hugging Face hub. Every file is produced locally from code in this script, so nothing is
@@ -24,6 +24,10 @@ What it writes (the layout of a Hugging Face checkpoint):
   transformers reads first) and also in ``tokenizer_config.json`` (for older readers).
 * ``generation_config.json``: only the bos/eos/pad ids, so vLLM takes no sampling defaults
   from it.
+
+With ``--lora LORA_DIR``, a LoRA adapter for that model goes into LORA_DIR too (PEFT's
+layout: ``adapter_config.json`` + ``adapter_model.safetensors``, rank 8 on ``q_proj`` and
+``v_proj``, seeded random weights), so that vLLM's ``--lora-modules`` can serve it.
 
 The output is gibberish by design: the tests need a real server, not a good model.
 """
@@ -192,13 +196,49 @@ def make_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+LORA_RANK = 8
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def make_tiny_lora(out_dir: Path, base_model: Path, seed: int = 0) -> Path:
+    """Write a LoRA adapter for the tiny model (as PEFT saves one) into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    config = json.loads((base_model / "config.json").read_text(encoding="utf-8"))
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    out_features = {"q_proj": config["num_attention_heads"] * config["head_dim"],
+                    "v_proj": config["num_key_value_heads"] * config["head_dim"]}
+    generator = torch.Generator().manual_seed(seed + 1)
+    weights = {}
+    for layer in range(layers):
+        for target in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, hidden,
+                                                             generator=generator) * 0.02
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_features[target], LORA_RANK,
+                                                             generator=generator) * 0.02
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 16,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": list(LORA_TARGETS), "base_model_name_or_path": str(base_model),
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=2) + "\n",
+                                                 encoding="utf-8")
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--lora", type=Path, help="also write a LoRA adapter into this folder")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
     print(make_tiny_model(args.out_dir, args.seed).resolve())
+    if args.lora is not None:
+        print(make_tiny_lora(args.lora, args.out_dir, args.seed).resolve())
 
 
 if __name__ == "__main__":

@@ -135,16 +135,24 @@ def vllm_python(vllm_executable: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python: str) -> Path:
-    """The tiny random Llama, built once per version of its script and cached."""
+    """The tiny random Llama (and its LoRA adapter, ``lora/``), built once per version of
+    its script and cached."""
     script = ROOT / "scripts" / "make_tiny_model.py"
     digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
     out = CACHE / f"tiny-model-{digest}"
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([vllm_python, str(script), str(tmp)], check=True, timeout=600)
+        subprocess.run([vllm_python, str(script), str(tmp), "--lora", str(tmp / "lora")],
+                       check=True, timeout=600)
         tmp.rename(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_model: Path) -> Path:
+    """A LoRA adapter of the tiny model (PEFT's layout)."""
+    return tiny_model / "lora"
 
 
 @pytest.fixture(scope="session")

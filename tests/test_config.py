@@ -13,6 +13,7 @@ import pytest
 
 from tests.launches import launch_of
 from worker.config import FlagSource, LoraModule, VllmCommand
+from worker.errors import ConfigError
 
 CONFIG = FlagSource("config_file", path="/vllm_config.yaml")
 
@@ -178,3 +179,35 @@ def test_a_baked_value_replacing_the_users_own_is_a_warning(tmp_path: Path) -> N
     command = launch_of({"QUANTIZATION": "gptq"}, baked_args_path=str(baked)).command
     assert command.value("--quantization") == "awq"
     assert f"QUANTIZATION='gptq' is replaced by 'awq' from {baked}" in " ".join(command.warnings)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LORA_MODULES": "a=org/a"},
+        {"VLLM_EXTRA_ARGS": "--lora-modules a=org/a"},
+    ],
+    ids=["variable", "extra-args"],
+)
+def test_lora_modules_without_enable_lora_get_it_added(env: dict[str, str]) -> None:
+    command = command_of({"MODEL_NAME": "org/m", **env})
+    assert command.enabled("--enable-lora")
+    assert command.source("--enable-lora") == FlagSource("worker")
+    assert list(command.argv).count("--enable-lora") == 1
+    assert any("the worker adds --enable-lora" in w for w in command.warnings)
+
+
+def test_lora_modules_with_enable_lora_are_left_alone() -> None:
+    command = command_of({"MODEL_NAME": "org/m", "LORA_MODULES": "a=org/a",
+                          "ENABLE_LORA": "true"})
+    assert command.source("--enable-lora") == FlagSource("env", "ENABLE_LORA")
+    assert list(command.argv).count("--enable-lora") == 1
+    assert not any("--enable-lora" in w for w in command.warnings)
+
+
+def test_lora_modules_with_lora_turned_off_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigError) as raised:
+        command_of({"MODEL_NAME": "org/m", "LORA_MODULES": "a=org/a", "ENABLE_LORA": "false"})
+    assert raised.value.message == (
+        "LORA_MODULES lists LoRA adapters but ENABLE_LORA turns LoRA off: set "
+        "ENABLE_LORA=true (or leave it unset), or remove the adapters")

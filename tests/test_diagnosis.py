@@ -612,6 +612,37 @@ CASES = [
         cause_has=("laguna.py", "Laguna requires the `LagunaConfig` from Transformers"),
         fix_has=("MODEL_NAME",),
     ),
+    # vLLM 0.32 also keeps model code under vllm/models/<model>/<platform>/...
+    Case(
+        "model-package-code-states-a-requirement",
+        engine_core_error(
+            ["RuntimeError: Engram CPU offload requires UVA support"],
+            ("vllm/v1/worker/gpu_model_runner.py", 4102, "load_model"),
+            ("vllm/models/deepseek_v41/common/engram.py", 982, "__init__"),
+        ),
+        "model_requirement",
+        cause_has=("engram.py", "Engram CPU offload requires UVA support"),
+        fix_has=("MODEL_NAME",),
+        env={"MODEL_NAME": "deepseek-ai/DeepSeek-V4.1"},
+    ),
+    Case(
+        "model-package-code-only-supports",
+        engine_core_error(
+            ["ValueError: Dots3Note only supports encoder_type='dots'"],
+            ("vllm/models/dots3_note/nvidia/audio.py", 335, "__init__"),
+        ),
+        "model_requirement",
+        cause_has=("audio.py", "only supports encoder_type='dots'"),
+    ),
+    Case(
+        "a-requirement-raised-outside-model-code-is-not-the-models",
+        engine_core_error(
+            ["ValueError: use_fnuz=True requires a platform using FNUZ FP8"],
+            ("vllm/v1/worker/gpu_model_runner.py", 4102, "load_model"),
+            ("vllm/modelsx/other.py", 10, "f"),
+        ),
+        None,
+    ),
     # ---- disk ----
     Case(
         "disk-full-while-downloading",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -269,7 +270,7 @@ async def timed_yields(proxy: Proxy, **batching: float) -> tuple[list[str], list
 
 
 def largest_gap(times: list[float]) -> float:
-    return max(later - earlier for earlier, later in zip(times, times[1:], strict=False))
+    return max(later - earlier for earlier, later in itertools.pairwise(times))
 
 
 async def test_a_slow_stream_is_yielded_within_the_delay(proxy: Proxy) -> None:

@@ -138,7 +138,7 @@ class Builder:
         port: int | None = None,
         behind_worker: bool = True,
         catalog_loader: Callable[[Settings, Mapping[str, str]], FlagCatalog] = load_catalog,
-        baked_args_path: str = "/local_model_args.json",
+        baked_args_path: str | None = None,
         file_exists: Callable[[str], bool] = os.path.exists,
         read_text: Callable[[str], str] = _read_text,
     ) -> None:
@@ -149,7 +149,7 @@ class Builder:
         self._behind_worker = behind_worker
         self._catalog_loader = catalog_loader
         self._catalog: FlagCatalog | None = None
-        self._baked_args_path = baked_args_path
+        self._baked_args_path = baked_args_path or settings.baked_model_file
         self._file_exists = file_exists
         self._read_text = read_text
 

@@ -115,6 +115,8 @@ RETIRED: Mapping[str, str] = {
 UNSET_VALUES: Mapping[str, str] = {"MAX_NUM_BATCHED_TOKENS": "0"}
 
 _MODEL_FLAG = "--model"
+_LORA_FLAG = "--lora-modules"
+_ENABLE_LORA_FLAG = "--enable-lora"
 
 
 def _read_text(path: str) -> str:
@@ -205,6 +207,7 @@ def build_command(
 
     for name, setting in extra_flags.items():
         _record(flags, name, setting)
+    worker_args = _enable_lora(flags, catalog, warnings)
     if _MODEL_FLAG not in flags:  # not from a variable, the config file or extra args
         warnings.append(
             "no model is set: set MODEL_NAME (e.g. MODEL_NAME=Qwen/Qwen3-0.6B); "
@@ -214,10 +217,36 @@ def build_command(
     argv = [vllm_executable, "serve", *model]
     if config_path is not None:
         argv += ["--config", config_path]
-    argv += [*flag_args, *extra, "--host", host, "--port", str(port)]
+    argv += [*flag_args, *extra, *worker_args, "--host", host, "--port", str(port)]
     _record(flags, "--host", FlagSetting(FlagSource("worker"), (host,)))
     _record(flags, "--port", FlagSetting(FlagSource("worker"), (str(port),)))
     return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides)
+
+
+def _enable_lora(
+    flags: dict[str, FlagSetting], catalog: FlagCatalog, warnings: list[str]
+) -> list[str]:
+    """``--enable-lora`` when adapters are given without it (vLLM would refuse to start).
+
+    vLLM 0.32 loads ``--lora-modules`` at start and exits with "LoRA is not enabled" without
+    ``--enable-lora``: adapters the user listed are a request for LoRA. Turning LoRA off
+    explicitly while listing adapters is a contradiction only the user can settle.
+    """
+    modules, enable = flags.get(_LORA_FLAG), flags.get(_ENABLE_LORA_FLAG)
+    if modules is None or catalog.get(_ENABLE_LORA_FLAG) is None:
+        return []
+    where = modules.source.setting(_LORA_FLAG) or _LORA_FLAG
+    if enable is not None and enable.switch is False:
+        raise ConfigError(
+            f"{where} lists LoRA adapters but {enable.source.setting(_ENABLE_LORA_FLAG)} turns "
+            "LoRA off: set ENABLE_LORA=true (or leave it unset), or remove the adapters"
+        )
+    if enable is not None:
+        return []
+    warnings.append(f"{where} lists LoRA adapters: the worker adds --enable-lora, which vLLM "
+                    "needs to load them (set ENABLE_LORA=true to say so yourself)")
+    _record(flags, _ENABLE_LORA_FLAG, FlagSetting(FlagSource("worker"), switch=True))
+    return [_ENABLE_LORA_FLAG]
 
 
 def _record(flags: dict[str, FlagSetting], flag: str, setting: FlagSetting) -> None:

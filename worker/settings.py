@@ -129,6 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
             "environment is present), else http."),
     Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
             "Path of the JSON catalog of `vllm serve` flags (written at image build)."),
+    Setting("BAKED_MODEL_FILE", "baked_model_file", "/local_model_args.json", _text,
+            "The file naming a model baked into the image (written by the image build); its "
+            "values replace the model variables, and vLLM runs offline."),
     Setting("VLLM_CONFIG_FILE", "config_file", "", _text,
             "vLLM YAML config passed as --config (default /vllm_config.yaml when it exists)."),
     Setting("VLLM_EXTRA_ARGS", "extra_args", "", _text,
@@ -162,6 +165,7 @@ class Settings:
     log_level: str = "INFO"
     mode: str = ""
     flag_catalog: str = ""
+    baked_model_file: str = "/local_model_args.json"
     config_file: str = ""
     extra_args: str = ""
     queue: bool = False

@@ -66,14 +66,13 @@ def missing_baked_model(
     command: VllmCommand, path_exists: Callable[[str], bool] = os.path.exists
 ) -> StartupError | None:
     """A model baked into the image must be there: the hub is never asked for it."""
-    model = command.baked_model
-    if model is None or not model.startswith("/") or path_exists(model):
+    model, source = command.baked_model, command.source("--model")
+    if model is None or source is None or not model.startswith("/") or path_exists(model):
         return None
     return StartupError(
-        f"The model baked into the image is missing: {model} does not exist "
-        f"({command.source('--model')}). Fix: rebuild the image with the MODEL_NAME build "
-        "argument (and HF_TOKEN as a build secret for a gated model), or remove "
-        "/local_model_args.json to load MODEL_NAME at start.",
+        f"The model baked into the image is missing: {model} does not exist ({source}). "
+        "Fix: rebuild the image with the MODEL_NAME build argument (and HF_TOKEN as a build "
+        f"secret for a gated model), or remove {source.path} to load MODEL_NAME at start.",
         kind="baked_model_missing",
     )
 

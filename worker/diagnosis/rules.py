@@ -278,12 +278,14 @@ RULES: tuple[Rule, ...] = (
     ),
     # A model's own vLLM code states what it needs, e.g. vllm/model_executor/models/laguna.py:
     # "Laguna requires the `LagunaConfig` from Transformers, which is available from v5.17.0."
+    # vLLM 0.32 also has packages per model under vllm/models/<model>/<platform>/, e.g.
+    # vllm/models/deepseek_v41/common/engram.py: "Engram CPU offload requires UVA support".
     Rule(
         "model_requirement",
         _rx(r"\brequires?\b|only supports?\b|not supported on\b"),
         explain_model_requirement,
         root_only=True,
-        innermost_frame=re.compile(r"/vllm/model_executor/models/[^/]+\.py:"),
+        innermost_frame=re.compile(r"/vllm/(?:model_executor/models|models(?:/[^/]+)+)/[^/]+\.py:"),
     ),
     # argparse (vllm/utils/argparse_utils.py FlexibleArgumentParser): "vllm serve: error:
     # argument --dtype: invalid choice: ...", "vllm: error: unrecognized arguments: --foo".

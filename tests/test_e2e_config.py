@@ -1,0 +1,101 @@
+"""What the resolved configuration decides, checked on the real CPU vLLM through the SDK loop.
+
+* the default model of a job is the command's first served name, whatever set it
+  (``VLLM_EXTRA_ARGS`` over the earlier release's variable, the config file);
+* ``DEFAULT_MAX_TOKENS`` for prompt and messages jobs, and vLLM's own 16 without it;
+* LoRA adapters without ``ENABLE_LORA`` are served (the worker adds ``--enable-lora``);
+* a model baked into the image is served under its repo id.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import StartWorker
+from tests.fake_job_api import FakeJobApi
+
+pytestmark = pytest.mark.vllm
+
+
+def answer(api: FakeJobApi, job_input: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    """The one answer of a non-streamed job (fails with the job's error otherwise)."""
+    record = api.wait_done(api.submit(job_input), timeout=timeout)
+    assert "error" not in record.done, record.done
+    [body] = record.done["output"]
+    assert isinstance(body, dict)
+    return body
+
+
+def completion_tokens(body: dict[str, Any]) -> int:
+    tokens: int = body["usage"]["completion_tokens"]
+    return tokens
+
+
+def test_extra_args_name_the_model_default_tokens_and_lora_without_enable_lora(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tiny_lora: Path
+) -> None:
+    worker = start_worker({
+        **worker_env,
+        "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "a",
+        "VLLM_EXTRA_ARGS": "--served-model-name b",
+        "DEFAULT_MAX_TOKENS": "24",
+        "LORA_MODULES": json.dumps([{"name": "tiny-lora", "path": str(tiny_lora)}]),
+    })
+    # No "model" in the job: the proxy fills in vLLM's real served name, "b" (not "a").
+    prompt = answer(job_api, {"prompt": "Hello", "sampling_params": {"ignore_eos": True}})
+    assert prompt["model"] == "b"
+    assert completion_tokens(prompt) == 24  # DEFAULT_MAX_TOKENS, not vLLM's 16
+    chat = answer(job_api, {"messages": [{"role": "user", "content": "Hi"}],
+                            "sampling_params": {"ignore_eos": True}})
+    assert chat["model"] == "b" and completion_tokens(chat) == 24
+    own = answer(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 3,
+                                                                  "ignore_eos": True}})
+    assert completion_tokens(own) == 3
+    # The adapter is served although ENABLE_LORA was never set.
+    lora = answer(job_api, {"prompt": "Hello", "model": "tiny-lora",
+                            "sampling_params": {"max_tokens": 4, "ignore_eos": True}})
+    assert lora["model"] == "tiny-lora" and completion_tokens(lora) == 4
+    launch = next(line for line in worker.log().splitlines() if "launching:" in line)
+    assert "--enable-lora" in launch
+    assert "the worker adds --enable-lora" in worker.log()
+
+
+def test_a_config_file_names_the_model_and_vllms_default_length_stays(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    config = tmp_path / "vllm.yaml"
+    config.write_text("served-model-name: c\n")
+    start_worker({**worker_env, "VLLM_CONFIG_FILE": str(config)})
+    body = answer(job_api, {"prompt": "Hello", "sampling_params": {"ignore_eos": True}})
+    assert body["model"] == "c"
+    # Without DEFAULT_MAX_TOKENS a prompt job gets vLLM's completions default: 16 tokens.
+    assert completion_tokens(body) == 16
+
+
+def test_a_baked_model_is_served_under_its_repo_id(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
+    tiny_model: Path, tmp_path: Path,
+) -> None:
+    # Laid out as scripts/download_model.py leaves a model in the image.
+    snapshot = tmp_path / "models" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model, snapshot, ignore=shutil.ignore_patterns("lora"))
+    baked = tmp_path / "local_model_args.json"
+    baked.write_text(json.dumps({"MODEL_NAME": str(snapshot), "TOKENIZER_NAME": str(snapshot),
+                                 "SERVED_MODEL_NAME": "acme/tiny"}))
+    worker = start_worker({**worker_env, "BAKED_MODEL_FILE": str(baked),
+                           "MODEL_NAME": "acme/not-this-one", "HF_HUB_OFFLINE": ""})
+    body = answer(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 2}})
+    assert body["model"] == "acme/tiny"
+    named = answer(job_api, {"prompt": "Hello", "model": "acme/tiny",
+                             "sampling_params": {"max_tokens": 2}})
+    assert named["model"] == "acme/tiny"
+    models = answer(job_api, {"route": "/v1/models"})
+    assert [model["id"] for model in models["data"]] == ["acme/tiny"]
+    log = worker.log()
+    assert "hub pre-flight of" not in log  # a baked model never asks the hub
+    assert "MODEL_NAME='acme/not-this-one' is replaced by" in log
