@@ -654,6 +654,9 @@ CASES = [
     ),
     # ---- not recognised: a restart (on another host) may help, or we do not know ----
     Case("cuda-illegal-memory-access", fixture("gpu_cuda_illegal_memory_access.log"), None),
+    # A library missing from the image: prestart_failed, with the root error first
+    # (tests/test_policy.py).
+    Case("cpu-libnuma-missing", fixture("cpu_libnuma_missing.log"), None),
     Case("nccl-error", fixture("gpu_nccl_error.log"), None),
     Case(
         "shared-memory-full",

@@ -310,6 +310,18 @@ def test_a_missing_interpreter_falls_back(tmp_path: Path) -> None:
     assert logged and "could not dump" in logged[0]
 
 
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu"])
+def test_a_version_with_a_packaged_catalog_needs_no_dump(tmp_path: Path, version: str) -> None:
+    # The version comes from the package metadata (one short query, no vLLM import): a
+    # newcomer's first start on the pinned vLLM launches it at once.
+    python = fake_python(tmp_path, version=version)
+    catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, print)
+    assert catalog == FlagCatalog.load(packaged_catalog_path())
+    assert note == f"packaged vllm-0.32.0.json (matches the installed vLLM {version})"
+    assert calls(tmp_path) == ["-c"]  # the version query only: no dump
+    assert not (tmp_path / "cache").exists()
+
+
 def test_an_unwritable_cache_still_uses_the_dump(tmp_path: Path) -> None:
     python = fake_python(tmp_path)
     blocker = tmp_path / "file"

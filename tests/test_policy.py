@@ -7,6 +7,7 @@ out), the environment it was built from and what was tried go in; one decision c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,20 @@ def test_the_root_error_comes_first_when_the_tail_lost_it() -> None:
 
 def test_a_root_error_already_in_the_tail_is_not_repeated() -> None:
     assert logs_for_jobs(TAIL, 1) == "\n".join(TAIL)
+
+
+def test_prestart_failed_of_a_missing_libnuma_puts_the_engines_error_first() -> None:
+    # Captured: the engine's worker fails on the missing library, the API server's wrapper
+    # traceback fills the end of the log ("See root cause above").
+    log = Path(__file__).parent / "data" / "failure_logs" / "cpu_libnuma_missing.log"
+    tail = tuple(log.read_text(encoding="utf-8").splitlines()[-400:])
+    decision = decide(Exited(1, tail, None), {}, (), startup_timeout=300, base_path=VOLUME)
+    assert isinstance(decision, Fail) and decision.error.type == "prestart_failed"
+    logs = decision.error.extra["logs"]
+    root = "AttributeError: '_OpNamespace' '_C' object has no attribute 'init_cpu_memory_env'"
+    assert root not in "\n".join(tail)[-4000:]  # what the job got before: the wrapper only
+    assert logs.startswith("Root error (as vLLM printed it):")
+    assert root in logs[:2000]
+    assert "Engine core initialization failed. See root cause above." in logs
+    assert len(logs) <= 4000
+
