@@ -589,6 +589,49 @@ def test_hub_tests_json(catalog: FlagCatalog) -> None:
     assert data["config"]["allowedCudaVersions"] == hub()["config"]["allowedCudaVersions"]
 
 
+#: The official vLLM image of each version the Dockerfile may pin: its CUDA version and the
+#: GPU architectures its kernels are built for (docker/Dockerfile of vllm-project/vllm at the
+#: release: CUDA_VERSION=13.0.3, TORCH_CUDA_ARCH_LIST="7.5 8.0 8.6 8.9 9.0 10.0 11.0 12.0").
+#: Bumping VLLM_VERSION without a row here fails test_hub_listing_fits_the_base_image.
+VLLM_IMAGES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "0.32.0": ("13.0", (7.5, 8.0, 8.6, 8.9, 9.0, 10.0, 11.0, 12.0)),
+}
+#: The host CUDA versions (the driver's) Runpod's API accepts in allowedCudaVersions, as its
+#: schema listed them in 2026-10. A host runs images of its CUDA version or older.
+RUNPOD_CUDA_VERSIONS = ("11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7",
+                        "12.8", "12.9", "13.0")
+#: Runpod's Serverless GPU pools and the compute capability of their GPUs (Runpod's GPU types
+#: reference): AMPERE_16 = RTX A4000, 4000 Ada, 2000 Ada; ADA_32_PRO = RTX 5090; BLACKWELL_96
+#: = RTX PRO 6000; BLACKWELL_180 = B200; ...
+RUNPOD_POOLS: dict[str, tuple[float, ...]] = {
+    "AMPERE_16": (8.6, 8.9), "AMPERE_24": (8.6,), "ADA_24": (8.9,), "ADA_32_PRO": (12.0,),
+    "AMPERE_48": (8.6,), "ADA_48_PRO": (8.9,), "AMPERE_80": (8.0,), "ADA_80_PRO": (9.0,),
+    "HOPPER_141": (9.0,), "BLACKWELL_96": (12.0,), "BLACKWELL_180": (10.0,),
+}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def test_hub_listing_fits_the_base_image() -> None:
+    """Every host whose driver runs the base image's CUDA, on every pool its kernels support.
+
+    A fixed short list kept users of the earlier worker off newer GPUs and drivers
+    (runpod-workers/worker-vllm#251): the lists follow from the pinned vLLM version instead.
+    """
+    pinned = args_and_defaults()["VLLM_VERSION"].removeprefix("v")
+    assert pinned in VLLM_IMAGES, f"add the CUDA version and GPU archs of vLLM {pinned}'s image"
+    cuda, archs = VLLM_IMAGES[pinned]
+    config = hub()["config"]
+    expected_cuda = [v for v in RUNPOD_CUDA_VERSIONS if _version(v) >= _version(cuda)]
+    assert config["allowedCudaVersions"] == expected_cuda
+    assert hub_tests()["config"]["allowedCudaVersions"] == expected_cuda
+    expected_pools = [pool for pool, capabilities in RUNPOD_POOLS.items()
+                      if all(min(archs) <= c <= max(archs) for c in capabilities)]
+    assert config["gpuIds"].split(",") == expected_pools
+
+
 def test_an_unknown_variable_would_be_caught(catalog: FlagCatalog) -> None:
     with pytest.raises(AssertionError, match="no setting, alias or flag"):
         what_is("MAX_MODEL_LENGTH", catalog)
