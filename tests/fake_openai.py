@@ -68,7 +68,8 @@ class FakeOpenAI:
         self._loop.run_forever()
 
     async def _start(self) -> None:
-        app = web.Application()
+        # vLLM (uvicorn) takes bodies of any size; so does the fake, up to 64 MB.
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)

@@ -30,6 +30,7 @@ import shlex
 import signal
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fake vllm: only 'serve' is supported, not {args.command!r}", file=sys.stderr)
         return 2
     model = (args.served_model_name or [None])[0] or args.model or args.model_flag or "fake-model"
+    # FAKE_VLLM_START_DELAY: seconds of "loading" before the server listens, as vLLM's do.
+    time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY") or 0))
     _log(f"fake vLLM API server (model {model!r}) on {args.host}:{args.port}")
     ForegroundFakeOpenAI(model, args.host, args.port).serve_forever()
     return 0

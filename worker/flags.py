@@ -426,9 +426,9 @@ def resolve_catalog(
     In order: ``explicit_path`` (VLLM_FLAG_CATALOG, written at image build); the packaged
     catalog of the installed vLLM version (read from its package metadata, without importing
     vLLM); a cached dump for that version; a fresh dump by ``vllm_python`` (then cached); the
-    packaged catalog of another version. Only a broken explicit path is an error: every other failure is
-    logged through ``log`` and the next source is tried, because a slightly stale catalog
-    is far better than a worker that does not start.
+    packaged catalog of another version. Only a broken explicit path is an error: every other
+    failure is logged through ``log`` and the next source is tried, because a slightly stale
+    catalog is far better than a worker that does not start.
     """
     if explicit_path is not None:
         try:

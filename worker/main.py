@@ -5,7 +5,8 @@ composition of the same parts (:mod:`worker.build`, :mod:`worker.startup`,
 :mod:`worker.server`):
 
 * ``serverless`` — the queue worker on Runpod's job API;
-* ``local`` — the same behind the runpod SDK's local API on ``PORT``;
+* ``lb`` — a load-balancing endpoint: vLLM's own API relayed on ``PORT``, health from t=0;
+* ``local`` — the queue worker behind the runpod SDK's local API on ``PORT``;
 * ``http`` — `vllm serve` itself on ``0.0.0.0:PORT`` (a plain pod), same command.
 """
 
@@ -74,7 +75,8 @@ def dry_run(builder: Builder, masker: SecretMasker) -> int:
 
 def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) -> int:
     """Replace this process with `vllm serve` on 0.0.0.0:$PORT (one image, two uses)."""
-    builder = Builder(settings, env, host="0.0.0.0", port=settings.port, behind_worker=False)
+    builder = Builder(settings, env, host="0.0.0.0", port=settings.effective_port,
+                      behind_worker=False)
     try:
         command = builder.command()
     except ConfigError as exc:
@@ -102,8 +104,8 @@ def local_sdk_args(settings: Settings, sdk_args: list[str]) -> list[str]:
     """The SDK's arguments for local mode: its API on 127.0.0.1:PORT unless told otherwise."""
     if "--rp_serve_api" in sdk_args:
         return sdk_args
-    return ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port", str(settings.port),
-            *sdk_args]
+    return ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port",
+            str(settings.effective_port), *sdk_args]
 
 
 def _test_job(job_text: str, output_text: str | None) -> tuple[dict[str, Any], object]:
@@ -149,10 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = settings.effective_mode
     if settings_error is not None:
         print(f"configuration error: {settings_error.message}", file=sys.stderr)
-        if args.dry_run or not settings.queue:
+        if args.dry_run or mode not in ("serverless", "lb"):
             return 2
-        # Answer every job with the error instead of crash-looping on the defaults.
-        mode = "serverless"
+        # Answer every job (or request) with the error instead of crash-looping on defaults.
     if args.dry_run:
         return dry_run(Builder(settings, env), masker)
     test_job = None
@@ -166,12 +167,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if mode == "http":
         return exec_http(settings, env, masker)
 
-    from worker.server import QueueWorker
     from worker.startup import Startup
 
     if mode == "local" and not has_gpu():
         env = {**CPU_DEFAULTS, **env}
     startup = Startup(Builder(settings, env), masker=masker, settings_error=settings_error)
+    if mode == "lb" and test_job is None:
+        from worker.lb import LoadBalancerWorker
+
+        return LoadBalancerWorker(settings, startup, started_at=started).run()
+
+    from worker.server import QueueWorker
+
     worker = QueueWorker(settings, startup, started_at=started)
     if test_job is not None:
         return worker.run_test_job(*test_job)

@@ -57,10 +57,20 @@ def _port(text: str) -> int:
     return value
 
 
+MODES = ("serverless", "lb", "http", "local")
+
+
 def _mode(text: str) -> str:
     value = text.strip().lower()
-    if value not in {"serverless", "http", "local"}:
-        raise ValueError("must be one of serverless, http, local")
+    if value not in MODES:
+        raise ValueError(f"must be one of {', '.join(MODES)}")
+    return value
+
+
+def _path(text: str) -> str:
+    value = text.strip()
+    if not value.startswith("/") or any(ch.isspace() for ch in value):
+        raise ValueError("must be an absolute path such as /ping")
     return value
 
 
@@ -78,9 +88,15 @@ def _text(text: str) -> str:
 SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_PORT", "vllm_port", 18000, _port,
             "Port of vLLM's API on 127.0.0.1, inside the container (never exposed)."),
-    Setting("PORT", "port", 8000, _port,
-            "Port the worker serves on: the SDK's local API in `local` mode, `vllm serve` "
-            "itself on 0.0.0.0 in `http` mode."),
+    Setting("PORT", "port", None, _port,
+            "Port the worker serves on: vLLM's API in `lb` mode (default 80, the load "
+            "balancer's), the SDK's local API in `local` mode and `vllm serve` itself in "
+            "`http` mode (default 8000)."),
+    Setting("PORT_HEALTH", "health_port", None, _port,
+            "`lb` mode: the port of the health check (default: PORT)."),
+    Setting("HEALTH_CHECK_PATH", "health_check_path", "/ping", _path,
+            "`lb` mode: the path of the health check (204 while vLLM starts, 200 when "
+            "healthy)."),
     Setting("VLLM_EXECUTABLE", "vllm_executable", "vllm", _text,
             "The `vllm` command to run (a name on PATH or a path)."),
     Setting("VLLM_BASE_URL", "vllm_base_url", "", _text,
@@ -125,8 +141,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKER_LOG_LEVEL", "log_level", "INFO", _log_level,
             "Level of the worker's own log lines (DEBUG, INFO, WARNING, ERROR)."),
     Setting("WORKER_MODE", "mode", "", _mode,
-            "serverless, http or local; when unset, serverless on a queue endpoint (Runpod's job "
-            "environment is present), else http."),
+            "serverless, lb, http or local; when unset, serverless on a queue endpoint (Runpod's "
+            "job environment is present), else http. Set lb on a load-balancing endpoint."),
     Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
             "Path of the JSON catalog of `vllm serve` flags (written at image build)."),
     Setting("BAKED_MODEL_FILE", "baked_model_file", "/local_model_args.json", _text,
@@ -146,7 +162,9 @@ class Settings:
     """The worker's configuration. Build it with :meth:`from_env`."""
 
     vllm_port: int = 18000
-    port: int = 8000
+    port: int | None = None
+    health_port: int | None = None
+    health_check_path: str = "/ping"
     vllm_executable: str = "vllm"
     vllm_base_url: str = ""
     max_concurrency: int = 30
@@ -174,7 +192,8 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Parse every setting present in ``env``; an invalid value is a ConfigError."""
-        values: dict[str, Any] = {"queue": cls.defaults(env).queue}
+        defaults = cls.defaults(env)
+        values: dict[str, Any] = {"queue": defaults.queue}
         for setting in SETTINGS:
             raw = env.get(setting.env, "").strip()
             if not raw:
@@ -186,17 +205,43 @@ class Settings:
                     f"{setting.env}={raw!r} is not valid ({exc}); "
                     f"for example {setting.env}={setting.default or '...'}."
                 ) from None
-        return cls(**values)
+        settings = cls(**values)
+        if settings.effective_mode == "lb" and settings.vllm_port in (
+            settings.effective_port, settings.effective_health_port
+        ):
+            raise ConfigError(
+                f"VLLM_PORT={settings.vllm_port} is also the port requests or health checks "
+                "arrive on (PORT / PORT_HEALTH): set VLLM_PORT to another port, e.g. 18000."
+            )
+        return settings
 
     @classmethod
     def defaults(cls, env: Mapping[str, str]) -> Settings:
-        """Every setting at its default, on the endpoint ``env`` says (after a ConfigError)."""
-        return cls(queue=bool(env.get("RUNPOD_WEBHOOK_GET_JOB", "").strip()))
+        """Every setting at its default, on the endpoint and in the mode ``env`` says.
+
+        For a worker whose settings are wrong: it still knows where it runs, to explain why.
+        """
+        try:
+            mode = _mode(env.get("WORKER_MODE", "")) if env.get("WORKER_MODE", "").strip() else ""
+        except ValueError:
+            mode = ""
+        return cls(queue=bool(env.get("RUNPOD_WEBHOOK_GET_JOB", "").strip()), mode=mode)
 
     @property
     def effective_mode(self) -> str:
         """WORKER_MODE, else ``serverless`` on a queue endpoint and ``http`` anywhere else."""
         return self.mode or ("serverless" if self.queue else "http")
+
+    @property
+    def effective_port(self) -> int:
+        """PORT, else the mode's default: 80 for the load balancer, 8000 otherwise."""
+        if self.port is not None:
+            return self.port
+        return 80 if self.effective_mode == "lb" else 8000
+
+    @property
+    def effective_health_port(self) -> int:
+        return self.health_port if self.health_port is not None else self.effective_port
 
     @property
     def base_url(self) -> str:

@@ -1,0 +1,184 @@
+"""Load-balancer mode against the stand-in vLLM: health from the start, the relay, failures.
+
+The stand-in (tests/fake_vllm.py) "loads" for FAKE_VLLM_START_DELAY seconds, then serves
+known bytes, so these tests are fast and exact; tests/test_e2e_lb.py runs the same mode on
+the real CPU vLLM with the official clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.fake_openai import expected_stream
+from tests.fake_vllm import write_wrapper
+from tests.lb_worker import LbWorker, start_lb_worker
+
+StartLb = Callable[..., LbWorker]
+
+
+@pytest.fixture
+def start_lb(tmp_path: Path) -> Iterator[StartLb]:
+    started: list[LbWorker] = []
+
+    def start(extra: dict[str, str] | None = None, *, separate_health_port: bool = False,
+              vllm: Path | None = None) -> LbWorker:
+        env = {"VLLM_EXECUTABLE": str(vllm or write_wrapper(tmp_path / "bin")),
+               "MODEL_NAME": "fake-model", "HF_HUB_OFFLINE": "1",
+               "XDG_CACHE_HOME": str(tmp_path / "cache"), "FAKE_VLLM_START_DELAY": "1.5",
+               **(extra or {})}
+        lb = start_lb_worker(env, tmp_path / f"lb-{len(started)}.log",
+                             separate_health_port=separate_health_port)
+        started.append(lb)
+        return lb
+
+    yield start
+    for lb in started:
+        lb.health.stop()
+        lb.worker.kill()
+
+
+def after_first_answer(statuses: list[int | None]) -> list[int | None]:
+    """The health answers once the worker's listener was up (the interpreter's own start,
+    ~0.3 s, is the only time with no listener)."""
+    return statuses[statuses.index(next(s for s in statuses if s is not None)):]
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["same-port", "own-health-port"])
+def test_health_is_204_while_vllm_starts_then_200(start_lb: StartLb, separate: bool) -> None:
+    lb = start_lb(separate_health_port=separate)
+    lb.wait_for_status(204, timeout=60)
+    # A request before vLLM is ready: 503, Retry-After, an OpenAI-style error; no hang.
+    early = httpx.post(f"{lb.url}/v1/completions", json={"prompt": "x"}, timeout=5)
+    assert early.status_code == 503 and early.headers["retry-after"] == "5"
+    assert early.json()["error"]["type"] == "backend_unavailable"
+    assert "still starting" in early.json()["error"]["message"]
+    lb.wait_for_status(200, timeout=60)
+    lb.health.stop()
+    assert after_first_answer(lb.health.statuses()) == [204, 200]
+    first = lb.health.first(204)
+    print(f"health: first 204 at {first:.2f} s after the spawn, first 200 at "
+          f"{lb.health.first(200):.2f} s")
+    # The health path answers HEAD too, and on PORT as well when it has a port of its own.
+    assert httpx.head(f"http://127.0.0.1:{lb.health_port}/ping").status_code == 200
+    assert httpx.get(f"{lb.url}/ping").status_code == 200
+
+
+def test_every_path_is_relayed_byte_for_byte(start_lb: StartLb) -> None:
+    lb = start_lb()
+    lb.wait_for_status(200, timeout=60)
+    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
+            "prompt": "x", "stream": True, "fake": {"events": 40, "split": True}}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        relayed = b"".join(response.iter_raw())
+    assert relayed == expected_stream(40, "none")
+    chat = httpx.post(f"{lb.url}/v1/chat/completions", timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["object"] == "text_completion"
+    assert httpx.get(f"{lb.url}/v1/models").json()["data"][0]["id"] == "fake-model"
+    assert httpx.get(f"{lb.url}/metrics").text.startswith("fake_active_streams")
+    # vLLM's own error status and body pass as they are.
+    bad = httpx.post(f"{lb.url}/v1/completions", json={"prompt": "x", "fake": {"status": 400}})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "fake error 400"
+    # A large body (the platform allows 30 MB) and the query string reach vLLM whole.
+    payload = "x" * (25 << 20)
+    echo = httpx.post(f"{lb.url}/echo?a=1&b=%20", content=payload, timeout=60).json()
+    assert echo["path"] == "/echo?a=1&b=%20" and echo["body"] == payload
+    assert httpx.delete(f"{lb.url}/echo").json()["method"] == "DELETE"
+
+
+def test_a_stream_is_relayed_as_it_comes(start_lb: StartLb) -> None:
+    lb = start_lb()
+    lb.wait_for_status(200, timeout=60)
+    arrivals: list[float] = []
+    started = time.monotonic()
+    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
+            "prompt": "x", "stream": True, "fake": {"events": 10, "delay": 0.2}}) as response:
+        for _ in response.iter_raw():
+            arrivals.append(time.monotonic() - started)
+    # 10 events 0.2 s apart: they arrive spread over ~2 s, not all at the end.
+    assert len(arrivals) >= 5 and arrivals[0] < 1.0 < arrivals[-1]
+
+
+def test_a_configuration_error_is_every_requests_answer(start_lb: StartLb) -> None:
+    lb = start_lb({"ENFORCE_EAGER": "maybe"})
+    lb.wait_for_status(200, timeout=60)
+    client = openai.OpenAI(base_url=f"{lb.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.completions.create(model="fake-model", prompt="x")
+    assert raised.value.status_code == 500
+    assert "ENFORCE_EAGER='maybe' is not a boolean" in str(raised.value)
+    body: Any = raised.value.body
+    assert body["type"] == "startup_error"
+    assert lb.worker.proc.poll() is None  # it stays up, healthy, so the answer reaches users
+    assert "vLLM process started" not in lb.worker.log()
+
+
+def test_an_unrecognised_failed_start_exits_1_with_the_log_tail(
+    start_lb: StartLb, tmp_path: Path
+) -> None:
+    vllm = tmp_path / "vllm-broken"
+    vllm.write_text("#!/bin/sh\necho 'RuntimeError: a fault of this host'\nexit 3\n")
+    vllm.chmod(0o755)
+    lb = start_lb({"PRESTART_FAILED_WAIT": "1"}, vllm=vllm)
+    assert lb.worker.wait(60) == 1
+    lb.health.stop()
+    assert 200 not in lb.health.statuses()
+    log = lb.worker.log()
+    assert "start-up failed, exiting for a fresh worker" in log
+    assert "RuntimeError: a fault of this host" in log
+
+
+def test_vllm_dying_mid_stream_ends_it_with_an_error_and_the_worker_exits_1(
+    start_lb: StartLb,
+) -> None:
+    lb = start_lb()
+    lb.wait_for_status(200, timeout=60)
+    [pid] = lb.worker.vllm_pids()
+    received = bytearray()
+    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
+            "prompt": "x", "stream": True, "fake": {"events": 100, "delay": 0.05}}) as response:
+        for chunk in response.iter_raw():
+            if not received and chunk:
+                os.killpg(pid, signal.SIGKILL)  # the first piece is in: vLLM dies
+            received += chunk
+    events = [e for e in bytes(received).split(b"\n\n") if e]
+    assert len(events) < 100
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["type"] == "backend_unavailable" and "vLLM exited with code" in error["message"]
+    assert lb.worker.wait(30) == 1
+    assert lb.worker.vllm_processes_left() == []
+
+
+def test_sigterm_lets_streams_finish_then_stops_vllm(start_lb: StartLb) -> None:
+    lb = start_lb()
+    lb.wait_for_status(200, timeout=60)
+    results: list[bytes] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
+                "prompt": "x", "stream": True, "fake": {"events": 30, "delay": 0.05}}) as r:
+            results.append(b"".join(r.iter_raw()))
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    lb.worker.signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(30)
+    assert lb.worker.wait(30) == 0
+    assert results == [expected_stream(30, "none")] * 3
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{lb.url}/v1/models", timeout=2)
+    assert lb.worker.vllm_processes_left() == []

@@ -1,0 +1,279 @@
+"""Load-balancing endpoints (``WORKER_MODE=lb``): vLLM's HTTP API on ``PORT``, health from t=0.
+
+Runpod's load balancer sends requests straight to a worker, with no job queue, and asks
+``HEALTH_CHECK_PATH`` on ``PORT_HEALTH`` whether the worker can take them: ``204`` while it
+initialises, ``200`` when healthy, anything else (or no answer) unhealthy. vLLM itself would
+answer nothing while it loads, so the worker listens on ``PORT`` (and ``PORT_HEALTH``) from
+its first second and relays every other path to vLLM on loopback, byte for byte:
+
+* starting → health ``204``; requests ``503`` with ``Retry-After`` and an OpenAI-style error;
+* healthy → health ``200``; requests relayed (streams unbuffered, chunk by chunk);
+* a start no restart can fix (``startup_error``) → health ``200`` and every request an HTTP
+  ``500`` whose JSON error is the cause and the fix: the user reads it in their client's
+  exception, and the platform does not replace the worker only to repeat the same start;
+* an unrecognised failed start (``prestart_failed``) → the log tail in the log, exit 1: the
+  platform starts a fresh worker, possibly on another host;
+* vLLM dies after the start → requests in flight end with an error, health turns ``503``,
+  exit 1. SIGTERM → no new connections, requests in flight get ``WORKER_DRAIN_TIMEOUT``
+  seconds, then vLLM's process group is stopped; exit 0.
+
+The start itself is the queue worker's (:mod:`worker.startup`): the same command, baked model,
+volume cache, hub pre-flight, relaunch policy and timeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import signal
+import time
+
+import aiohttp
+from aiohttp import web
+
+from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
+from worker.settings import Settings
+from worker.startup import StartOutcome, Startup
+
+logger = logging.getLogger("worker.lb")
+
+#: Headers of one hop only (RFC 9110 §7.6.1), never relayed; Host is vLLM's own.
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "host",
+})
+#: Seconds a client is told to wait before retrying while vLLM loads.
+RETRY_AFTER = 5
+#: The platform's largest request body (Runpod's load balancer: 30 MB).
+MAX_BODY_BYTES = 30 * 1024 * 1024
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    REFUSING = "refusing"
+    """The start cannot work (startup_error): every request is answered with why."""
+    DEAD = "dead"
+    STOPPING = "stopping"
+
+
+#: What the health path answers in each state (None: the worker is exiting, no answer).
+_HEALTH_STATUS = {State.STARTING: 204, State.READY: 200, State.REFUSING: 200,
+                  State.DEAD: 503, State.STOPPING: 503}
+
+
+def error_body(error: WorkerError) -> bytes:
+    """An OpenAI-style error body (``{"error": {...}}``) that keeps the worker's own fields."""
+    fields = error.to_dict()
+    payload = {"error": {"message": fields.pop("message"), "type": fields.pop("type"),
+                         "param": None, "code": fields.pop("code"), **fields}}
+    return json.dumps(payload, ensure_ascii=False).encode()
+
+
+class LoadBalancerWorker:
+    """One worker of a load-balancing endpoint: the listeners, the start, the relay, the stop."""
+
+    def __init__(
+        self, settings: Settings, startup: Startup, *, started_at: float | None = None
+    ) -> None:
+        self.settings = settings
+        self.startup = startup
+        self.state = State.STARTING
+        self._started = time.monotonic() if started_at is None else started_at
+        self._error: WorkerError | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._in_flight: set[asyncio.Task[object]] = set()
+        self._done = asyncio.Event()
+        self._exit_code = 0
+
+    # -- the whole run -------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            return asyncio.run(self._run())
+        finally:
+            if self.startup.process is not None:
+                self.startup.process.stop(grace=15.0 if self._exit_code == 0 else 1.0)
+
+    async def _run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        runners = await self._listen()
+        start = asyncio.create_task(self.startup.run(), name="vllm-start")
+        done_waiter = asyncio.create_task(self._done.wait())
+        await asyncio.wait({start, done_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            self._started_with(start.result())
+        else:
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+        await self._done.wait()
+        if self.state is State.STOPPING:
+            logger.info("draining %d request(s) for up to %.0f s",
+                        len(self._in_flight), self.settings.drain_timeout)
+        for runner in runners:
+            await runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        return self._exit_code
+
+    async def _listen(self) -> list[web.AppRunner]:
+        """The relay on PORT and the health path (also on PORT_HEALTH when that differs)."""
+        settings = self.settings
+        health = settings.health_check_path
+        relay = web.Application(client_max_size=MAX_BODY_BYTES)
+        relay.router.add_get(health, self._health)
+        relay.router.add_route("*", "/{path:.*}", self._relay)
+        apps = [(relay, settings.effective_port)]
+        if settings.effective_health_port != settings.effective_port:
+            probe = web.Application()
+            probe.router.add_get(health, self._health)
+            apps.append((probe, settings.effective_health_port))
+        runners = []
+        for app, port in apps:
+            runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                   shutdown_timeout=settings.drain_timeout)
+            await runner.setup()
+            await web.TCPSite(runner, "0.0.0.0", port, reuse_address=True).start()
+            runners.append(runner)
+        logger.info("load balancer mode: vLLM's API on port %d, health %s on port %d",
+                    settings.effective_port, health, settings.effective_health_port)
+        return runners
+
+    def _started_with(self, outcome: StartOutcome) -> None:
+        if outcome.error is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=10.0,
+                                              sock_read=self.settings.request_timeout or None),
+                auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+            process = self.startup.process
+            if process is not None:
+                loop = asyncio.get_running_loop()
+
+                def on_exit(code: int) -> None:
+                    with contextlib.suppress(RuntimeError):  # the loop is closed at our stop
+                        loop.call_soon_threadsafe(self._on_vllm_death, code)
+
+                process.on_exit(on_exit)
+            self.state = State.READY
+            logger.info("taking requests %.1f s after the worker started",
+                        time.monotonic() - self._started)
+            return
+        self._error = outcome.error
+        if isinstance(outcome.error, PrestartFailed):
+            logger.error("start-up failed, exiting for a fresh worker: %s\n%s",
+                         outcome.error.message, outcome.error.extra.get("logs", ""))
+            self.state = State.DEAD
+            self._exit_code = 1
+            self._done.set()
+            return
+        logger.error("start-up failed: %s", outcome.error.message)
+        self.state = State.REFUSING
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        logger.info("%s: no new requests", sig.name)
+        if self.state is not State.DEAD:
+            self.state = State.STOPPING
+        self._done.set()
+
+    def _on_vllm_death(self, code: int) -> None:
+        if self.state is State.STOPPING:
+            return
+        tail = self.startup.process.tail_text(1500) if self.startup.process else ""
+        self._error = BackendUnavailable(
+            f"vLLM exited with code {code} while serving. Last lines:\n{tail}")
+        logger.error("%s", self._error.message)
+        self.state = State.DEAD
+        self._exit_code = 1
+        # Requests in flight see their connection to vLLM end and answer with the error.
+        self._done.set()
+
+    # -- handlers ------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=_HEALTH_STATUS[self.state])
+
+    def _refusal(self) -> web.Response:
+        if self.state is State.STARTING:
+            error: WorkerError = BackendUnavailable(
+                "vLLM is still starting (the model loads): retry in a few seconds.")
+            headers = {"Retry-After": str(RETRY_AFTER)}
+        else:
+            error = self._error or BackendUnavailable("The worker is stopping.")
+            headers = {}
+        status = 500 if self.state is State.REFUSING else 503
+        return web.Response(status=status, body=error_body(error), headers=headers,
+                            content_type="application/json")
+
+    async def _relay(self, request: web.Request) -> web.StreamResponse:
+        if self.state is not State.READY or self._session is None:
+            return self._refusal()
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        try:
+            return await self._forward(request, self._session)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            error = await self._failure(exc)
+            return web.Response(status=error.code or 503, body=error_body(error),
+                                content_type="application/json")
+        finally:
+            self._in_flight.discard(task)
+
+    async def _forward(
+        self, request: web.Request, session: aiohttp.ClientSession
+    ) -> web.StreamResponse:
+        """One request to vLLM and its answer back, streamed both ways, byte for byte.
+
+        A client that goes away cancels this handler: leaving the ``async with`` closes the
+        connection to vLLM, which is how vLLM learns to abort the generation.
+        """
+        url = f"{self.settings.base_url}{request.rel_url}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        body = request.content if request.body_exists else None
+        async with session.request(request.method, url, headers=headers, data=body,
+                                   allow_redirects=False) as upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _HOP_BY_HOP:
+                    response.headers.add(name, value)
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)  # unbuffered: each chunk as vLLM sent it
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                # The status is sent: say what happened in the stream's own format, if it has
+                # one, and end the body cleanly rather than resetting the connection.
+                if upstream.content_type == "text/event-stream":
+                    error = await self._failure(exc)
+                    await response.write(b"data: " + error_body(error) + b"\n\n")
+            await response.write_eof()
+            return response
+
+    async def _failure(self, exc: BaseException) -> WorkerError:
+        """What went wrong with vLLM during a request (its death, a timeout, a refusal).
+
+        A dying vLLM closes its connections a moment before its exit is seen: give the exit
+        half a second to show, so that the answer says what happened.
+        """
+        if isinstance(exc, TimeoutError):
+            return BackendUnavailable(
+                f"vLLM sent nothing for {self.settings.request_timeout:g} s (REQUEST_TIMEOUT).",
+                code=504)
+        process = self.startup.process
+        if self._error is None and process is not None:
+            with contextlib.suppress(TimeoutError):
+                code = await asyncio.wait_for(process.wait_exit(), 0.5)
+                return BackendUnavailable(
+                    f"vLLM exited with code {code} while serving. Last lines:\n"
+                    + process.tail_text(1500))
+        if self._error is not None:
+            return self._error
+        return BackendUnavailable(
+            f"vLLM could not be reached at {self.settings.base_url}: "
+            f"{exc or type(exc).__name__}")
