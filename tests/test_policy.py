@@ -6,11 +6,13 @@ out), the environment it was built from and what was tried go in; one decision c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.launches import launch_of
 from worker.diagnosis import Diagnosis
 from worker.errors import PrestartFailed, StartupError
 from worker.policy import (
@@ -22,6 +24,7 @@ from worker.policy import (
     HubRefused,
     Relaunch,
     Serve,
+    Start,
     TimedOut,
     decide,
     logs_for_jobs,
@@ -33,8 +36,18 @@ DISK_FULL = Diagnosis("disk_full", "The disk is full.", "Give the worker more di
 HUB_NO = StartupError("Hugging Face has no model acme/x. Fix: check MODEL_NAME.",
                       kind="model_not_found")
 TAIL = ("INFO loading", "RuntimeError: something odd")
-VOLUME = "/runpod-volume"
-ON_VOLUME = {"MODEL_NAME": "m", "VLLM_CACHE_ROOT": f"{VOLUME}/vllm-cache"}
+VOLUME_CACHE = "/runpod-volume/vllm-cache"
+ON_VOLUME = {"MODEL_NAME": "m", "VLLM_CACHE_ROOT": VOLUME_CACHE}
+
+
+def start_of(env: dict[str, str], volume_cache: str | None = None) -> Start:
+    """The start the worker builds from ``env`` (its command resolved as the worker does)."""
+    return Start(env, launch_of(env).command, volume_cache)
+
+
+def decide_for(attempt: Attempt, env: dict[str, str], tried: tuple[str, ...] = (), *,
+               volume_cache: str | None = None, mask: Callable[[str], str] = str) -> Decision:
+    return decide(attempt, start_of(env, volume_cache), tried, startup_timeout=300, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,7 @@ class Row:
     expected: type[Decision]
     error_type: str | None = None
     says: tuple[str, ...] = ()
+    volume_cache: str | None = None
 
 
 ROWS = [
@@ -56,11 +70,14 @@ ROWS = [
     Row("diagnosed", Exited(1, TAIL, TOO_LONG), {}, (), Fail, "startup_error",
         ("Too long.", "Fix: Set MAX_MODEL_LEN to 4096.")),
     Row("oom-relaunches-once", Exited(1, TAIL, OOM), {"MODEL_NAME": "m"}, (), Relaunch),
+    Row("oom-already-eager-and-small-is-explained-at-once", Exited(1, TAIL, OOM),
+        {"ENFORCE_EAGER": "true", "MAX_NUM_BATCHED_TOKENS": "2048"}, (), Fail, "startup_error",
+        ("vLLM ran out of memory.",)),
     Row("oom-after-the-relaunch-explains-what-was-tried", Exited(1, TAIL, OOM), {},
         ("a relaunch with ENFORCE_EAGER=true",), Fail, "startup_error",
         ("Already tried: a relaunch with ENFORCE_EAGER=true.",)),
     Row("disk-full-on-the-volume-relaunches-with-the-local-cache",
-        Exited(1, TAIL, DISK_FULL), ON_VOLUME, (), Relaunch),
+        Exited(1, TAIL, DISK_FULL), ON_VOLUME, (), Relaunch, volume_cache=VOLUME_CACHE),
     Row("disk-full-with-the-users-own-cache-is-explained",
         Exited(1, TAIL, DISK_FULL), {"VLLM_CACHE_ROOT": "/data/cache"}, (), Fail,
         "startup_error", ("The disk is full.",)),
@@ -76,7 +93,7 @@ ROWS = [
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
 def test_decide(row: Row) -> None:
-    decision = decide(row.attempt, row.env, row.tried, startup_timeout=300, base_path=VOLUME)
+    decision = decide_for(row.attempt, row.env, row.tried, volume_cache=row.volume_cache)
     assert isinstance(decision, row.expected), decision
     if isinstance(decision, Fail):
         assert decision.error.type == row.error_type
@@ -85,36 +102,52 @@ def test_decide(row: Row) -> None:
 
 
 def test_the_oom_relaunch_is_smaller_and_keeps_the_rest() -> None:
-    decision = decide(Exited(1, TAIL, OOM), {"MODEL_NAME": "m", "MAX_NUM_BATCHED_TOKENS": "32768"},
-                      (), startup_timeout=300, base_path=VOLUME)
+    decision = decide_for(Exited(1, TAIL, OOM),
+                          {"MODEL_NAME": "m", "MAX_NUM_BATCHED_TOKENS": "32768"})
     assert decision == Relaunch(
         {"MODEL_NAME": "m", "MAX_NUM_BATCHED_TOKENS": "8192", "ENFORCE_EAGER": "true"},
         "ENFORCE_EAGER=true and MAX_NUM_BATCHED_TOKENS=8192",
     )
     # A smaller batch the user chose stays.
-    kept = decide(Exited(1, TAIL, OOM), {"MAX_NUM_BATCHED_TOKENS": "2048"}, (),
-                  startup_timeout=300, base_path=VOLUME)
+    kept = decide_for(Exited(1, TAIL, OOM), {"MAX_NUM_BATCHED_TOKENS": "2048"})
     assert kept == Relaunch({"MAX_NUM_BATCHED_TOKENS": "2048", "ENFORCE_EAGER": "true"},
                             "ENFORCE_EAGER=true")
 
 
+def test_the_oom_relaunch_overrides_flags_where_the_user_set_them() -> None:
+    # A flag of VLLM_EXTRA_ARGS wins over variables: the relaunch appends to it instead.
+    env = {"MODEL_NAME": "m",
+           "VLLM_EXTRA_ARGS": "--no-enforce-eager --max-num-batched-tokens 65536"}
+    decision = decide_for(Exited(1, TAIL, OOM), env)
+    assert decision == Relaunch(
+        {"MODEL_NAME": "m", "VLLM_EXTRA_ARGS": "--no-enforce-eager --max-num-batched-tokens "
+         "65536 --enforce-eager --max-num-batched-tokens 8192"},
+        "--enforce-eager in VLLM_EXTRA_ARGS and --max-num-batched-tokens 8192 in "
+        "VLLM_EXTRA_ARGS",
+    )
+    assert isinstance(decision, Relaunch)
+    again = launch_of(dict(decision.env)).command
+    assert again.enabled("--enforce-eager")
+    assert again.value("--max-num-batched-tokens") == "8192"
+
+
 def test_the_disk_full_relaunch_only_drops_the_volume_cache() -> None:
-    decision = decide(Exited(1, TAIL, DISK_FULL), {**ON_VOLUME, "X": "1"}, (),
-                      startup_timeout=300, base_path=VOLUME)
+    decision = decide_for(Exited(1, TAIL, DISK_FULL), {**ON_VOLUME, "X": "1"},
+                          volume_cache=VOLUME_CACHE)
     assert decision == Relaunch({"MODEL_NAME": "m", "X": "1"},
                                 "vLLM's cache on the local disk instead of the volume")
 
 
 def test_the_diagnosis_message_is_masked() -> None:
     leaky = Diagnosis("bad_argument", "vLLM rejected hf_secret_value.", "Remove it.")
-    decision = decide(Exited(2, TAIL, leaky), {}, (), startup_timeout=300, base_path=VOLUME,
-                      mask=lambda text: text.replace("hf_secret_value", "***"))
+    decision = decide_for(Exited(2, TAIL, leaky), {},
+                          mask=lambda text: text.replace("hf_secret_value", "***"))
     assert isinstance(decision, Fail)
     assert "hf_secret_value" not in decision.error.message and "***" in decision.error.message
 
 
 def test_prestart_failed_carries_the_exit_code_and_the_logs() -> None:
-    decision = decide(Exited(3, TAIL, None), {}, (), startup_timeout=300, base_path=VOLUME)
+    decision = decide_for(Exited(3, TAIL, None), {})
     assert isinstance(decision, Fail) and isinstance(decision.error, PrestartFailed)
     assert decision.error.extra["exit_code"] == 3
     assert decision.error.extra["logs"].endswith("RuntimeError: something odd")
@@ -149,7 +182,7 @@ def test_prestart_failed_of_a_missing_libnuma_puts_the_engines_error_first() -> 
     # traceback fills the end of the log ("See root cause above").
     log = Path(__file__).parent / "data" / "failure_logs" / "cpu_libnuma_missing.log"
     tail = tuple(log.read_text(encoding="utf-8").splitlines()[-400:])
-    decision = decide(Exited(1, tail, None), {}, (), startup_timeout=300, base_path=VOLUME)
+    decision = decide_for(Exited(1, tail, None), {})
     assert isinstance(decision, Fail) and decision.error.type == "prestart_failed"
     logs = decision.error.extra["logs"]
     root = "AttributeError: '_OpNamespace' '_C' object has no attribute 'init_cpu_memory_env'"

@@ -9,19 +9,19 @@ it says. Every branch is table-tested without a process.
 * the hub pre-flight proved the start cannot work → that ``startup_error``;
 * out of memory while vLLM sized its buffers → one relaunch with a smaller footprint;
 * a full disk with vLLM's cache on the volume → one relaunch with the cache on local disk;
+  (what a relaunch changes is read from the command: the flags as they were resolved);
 * any other diagnosed failure (or one a relaunch did not fix) → ``startup_error``;
 * unrecognised, or no healthy vLLM in time → ``prestart_failed`` with the root error first.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from worker.config import VllmCommand
 from worker.diagnosis import Diagnosis, root_excerpt
 from worker.errors import PrestartFailed, StartupError, WorkerError
-from worker.volume_cache import volume_cache_path
 
 __all__ = [
     "Attempt",
@@ -32,6 +32,7 @@ __all__ = [
     "HubRefused",
     "Relaunch",
     "Serve",
+    "Start",
     "TimedOut",
     "decide",
     "smaller_footprint",
@@ -41,6 +42,18 @@ SMALLER_FOOTPRINT_BATCHED_TOKENS = 8192
 #: The share of a job's ``logs`` given to the root error; the tail gets the rest.
 _LOGS_FOR_JOBS = 4000
 _ROOT_SHARE = 1800
+
+
+# -- what was started ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    """The start an attempt was made of: the environment it was built from, its command,
+    and ``volume_cache``, the VLLM_CACHE_ROOT on the network volume when the worker chose
+    it (None: vLLM's cache is where the user or vLLM put it)."""
+
+    env: Mapping[str, str]
+    command: VllmCommand
+    volume_cache: str | None = None
 
 
 # -- what an attempt ended with ------------------------------------------------------------
@@ -102,14 +115,13 @@ Decision = Serve | Relaunch | Fail
 
 def decide(
     attempt: Attempt,
-    env: Mapping[str, str],
+    start: Start,
     tried: Sequence[str],
     *,
     startup_timeout: float,
-    base_path: str,
     mask: Callable[[str], str] = str,
 ) -> Decision:
-    """What to do after ``attempt``, started from ``env``, with ``tried`` relaunches behind it."""
+    """What to do after ``attempt`` of ``start``, with ``tried`` relaunches behind it."""
     if isinstance(attempt, Healthy):
         return Serve()
     if isinstance(attempt, HubRefused):
@@ -129,11 +141,11 @@ def decide(
             logs=logs_for_jobs(attempt.log_tail, attempt.exit_code),
         ))
     if not tried:
-        if diagnosis.recoverable_by_smaller_footprint:
-            changed, note = smaller_footprint(env)
-            return Relaunch(changed, note)
-        if diagnosis.kind == "disk_full" and _cache_on_volume(env, base_path):
-            local = {name: value for name, value in env.items() if name != "VLLM_CACHE_ROOT"}
+        if diagnosis.recoverable_by_smaller_footprint and (smaller := smaller_footprint(start)):
+            return smaller
+        if diagnosis.kind == "disk_full" and start.volume_cache is not None:
+            local = {name: value for name, value in start.env.items()
+                     if name != "VLLM_CACHE_ROOT"}
             return Relaunch(local, "vLLM's cache on the local disk instead of the volume")
     message = diagnosis.message
     if tried:
@@ -141,24 +153,37 @@ def decide(
     return Fail(StartupError(mask(message), kind=diagnosis.kind))
 
 
-def smaller_footprint(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """The environment of the one relaunch after an out-of-memory start, and what changed."""
-    changed = {**env, "ENFORCE_EAGER": "true"}
-    notes = ["ENFORCE_EAGER=true"]
-    current = env.get("MAX_NUM_BATCHED_TOKENS", "").strip()
+def smaller_footprint(start: Start) -> Relaunch | None:
+    """The one relaunch after an out-of-memory start: eager mode and fewer batched tokens.
+
+    Each change goes where it wins over the user's own setting: a variable, or
+    VLLM_EXTRA_ARGS when the user set the flag there. None when both are already so.
+    """
+    env = dict(start.env)
+    notes: list[str] = []
+    extra: list[str] = []
+
+    def change(flag: str, variable: str, value: str, args: list[str]) -> None:
+        source = start.command.source(flag)
+        if source is not None and source.kind == "extra_args":
+            extra.extend(args)
+            notes.append(f"{' '.join(args)} in VLLM_EXTRA_ARGS")
+        else:
+            env[variable] = value
+            notes.append(f"{variable}={value}")
+
+    if not start.command.enabled("--enforce-eager"):
+        change("--enforce-eager", "ENFORCE_EAGER", "true", ["--enforce-eager"])
+    current = start.command.value("--max-num-batched-tokens") or ""
     limit = SMALLER_FOOTPRINT_BATCHED_TOKENS
     if not current.isdigit() or int(current) == 0 or int(current) > limit:
-        changed["MAX_NUM_BATCHED_TOKENS"] = str(limit)
-        notes.append(f"MAX_NUM_BATCHED_TOKENS={limit}")
-    return changed, " and ".join(notes)
-
-
-def _cache_on_volume(env: Mapping[str, str], base_path: str) -> bool:
-    """Whether vLLM's cache was the volume's (a VLLM_CACHE_ROOT elsewhere was the user's)."""
-    current = env.get("VLLM_CACHE_ROOT", "").strip()
-    return bool(current) and os.path.normpath(current) == os.path.normpath(
-        volume_cache_path(base_path)
-    )
+        change("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS", str(limit),
+               ["--max-num-batched-tokens", str(limit)])
+    if not notes:
+        return None
+    if extra:  # appended: the last of a repeated flag wins
+        env["VLLM_EXTRA_ARGS"] = " ".join([start.env.get("VLLM_EXTRA_ARGS", ""), *extra]).strip()
+    return Relaunch(env, " and ".join(notes))
 
 
 def logs_for_jobs(log_tail: Sequence[str], exit_code: int | None) -> str:

@@ -30,6 +30,7 @@ from worker.policy import (
     HubRefused,
     Relaunch,
     Serve,
+    Start,
     TimedOut,
     decide,
 )
@@ -118,14 +119,14 @@ class Startup:
 
         hub: asyncio.Task[StartupError | None] = asyncio.create_task(self._hub_check(launch))
         tried: list[str] = []
+        volume_cache = cache.path
         try:
             while True:
                 self.process = self._spawn(launch)
                 attempt = await self._attempt(self.process, launch, hub)
                 decision = decide(
-                    attempt, env, tried,
+                    attempt, Start(env, launch.command, volume_cache), tried,
                     startup_timeout=self.settings.startup_timeout,
-                    base_path=self.settings.base_path,
                     mask=self._masker.mask,
                 )
                 if isinstance(decision, Serve):
@@ -137,6 +138,8 @@ class Startup:
                 tried.append(f"a relaunch with {decision.note}")
                 logger.warning("relaunching vLLM once with %s", decision.note)
                 env = dict(decision.env)
+                if "VLLM_CACHE_ROOT" not in env:
+                    volume_cache = None
                 try:
                     launch = self._build(env)
                 except ConfigError as exc:
