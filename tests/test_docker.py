@@ -469,7 +469,7 @@ def test_a_plain_pod_runs_vllm_serve_on_all_interfaces(mode: dict[str, str]) -> 
 def test_an_unknown_mode_is_refused() -> None:
     done = run_start({"WORKER_MODE": "cloud"})
     assert done.returncode == 2
-    assert "WORKER_MODE='cloud' is not valid (must be one of serverless, http, local)" in (
+    assert "WORKER_MODE='cloud' is not valid (must be one of serverless, lb, http, local)" in (
         done.stderr)
 
 
