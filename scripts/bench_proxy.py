@@ -28,6 +28,10 @@ What it measures:
 5. For contrast, a "reference-worker style" relay that decodes each raw chunk on its own
    (``bytes.decode('utf-8', errors='replace')``) on the split stream: the U+FFFD characters
    it produces, where the Proxy produces none.
+6. The batch delay: streams at 25 events/s (a reader's pace) and 500 events/s, read by a
+   consumer that takes 5 ms per yield (the SDK's POST), with batching by count alone
+   (``max_batch_delay`` 0, the earlier policy) and with the default 0.25 s bound: the largest
+   gap between two yields and the yields (POSTs) per job, side by side.
 
 It prints figures, a table with each goal beside it, and never fails on speed: the exit code
 is 1 only if a correctness check fails (bytes differ, wrong answer, a job failed).
@@ -42,6 +46,7 @@ import asyncio
 import cProfile
 import gc
 import io
+import itertools
 import json
 import os
 import pstats
@@ -482,6 +487,30 @@ async def bench_reference_decode(proxy: Proxy, session: aiohttp.ClientSession, u
                     "\ufffd" not in ours))
 
 
+async def bench_batch_delay(proxy: Proxy, slow_events: int) -> None:
+    print("\n6. Batch delay: largest gap between yields and yields per job (consumer 5 ms/yield)")
+    print(f"   {'pace':>12} {'policy':>22} {'largest gap s':>14} {'yields':>7}")
+    for rate, events in ((25, slow_events), (500, 1000)):
+        gaps: dict[float, tuple[float, int]] = {}
+        for delay in (0.0, 0.25):
+            fake = {"events": events, "delay": 1 / rate}
+            job = {**stream_input(fake), "max_batch_size": 50, "max_batch_delay": delay}
+            times, items = [], []
+            async for item in proxy.handle({"id": "delay", "input": job}):
+                items.append(item)
+                times.append(time.perf_counter())
+                await asyncio.sleep(0.005)
+            check_relayed(items, events, f"batch delay {delay} at {rate}/s")
+            gap = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+            gaps[delay] = (gap, len(items))
+            policy = "count only (delay 0)" if delay == 0 else f"delay {delay} s (default)"
+            print(f"   {rate:>7} ev/s {policy:>22} {gap:>14.2f} {len(items):>7}")
+        ROWS.append(Row(f"batch delay at {rate} ev/s: largest gap, 0 -> 0.25 s",
+                        f"{gaps[0.0][0]:.2f}->{gaps[0.25][0]:.2f}", "(info)", None))
+        ROWS.append(Row(f"batch delay at {rate} ev/s: yields, 0 -> 0.25 s",
+                        f"{gaps[0.0][1]}->{gaps[0.25][1]}", "(info)", None))
+
+
 # -- the run -------------------------------------------------------------------------------
 async def main_async(url: str, sizes: Sizes, profile: bool) -> None:
     settings = Settings(vllm_base_url=url, request_timeout=30)
@@ -507,6 +536,7 @@ async def main_async(url: str, sizes: Sizes, profile: bool) -> None:
                                     sizes.split_reps, split=True)
             await bench_slow_consumer(proxy, session, url, sizes.slow_reps)
             await bench_reference_decode(proxy, session, url, sizes.split_events)
+            await bench_batch_delay(proxy, 75 if sizes is QUICK else 200)
         finally:
             await proxy.aclose()
             await proxy_httpx.aclose()
