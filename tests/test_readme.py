@@ -77,6 +77,14 @@ COVERAGE: dict[str, str] = {
     "BASE_URL=http://127.0.0.1:8000 python examples/requests_stream.py":
         f"{EXAMPLES_TEST}::test_stream_example_prints_the_tokens_of_every_piece",
     "python scripts/gen_readme.py": f"{README_TEST}::test_generated_tables_are_current",
+    # The load balancer's address is the platform's: the same call goes to the worker's PORT.
+    "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/chat/completions -H \"Authorization: "
+    "Bearer $RUNPOD_API_KEY\" -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"Qwen/Qwen3-0.6B\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'":
+        "tests/test_e2e_lb.py::test_health_clients_and_the_relayed_stream_then_vllms_death",
+    "MODEL_NAME=Qwen/Qwen3-0.6B .venv/bin/python -m worker --test_input '{\"input\": "
+    "{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
+        "tests/test_main.py::test_test_input_prints_the_result_of_a_job",
     "python scripts/gen_readme.py --check": f"{README_TEST}::test_gen_readme_check_passes",
 }
 
@@ -184,7 +192,7 @@ def startup_kinds() -> set[str]:
     kinds = {rule.kind for rule in RULES if rule.explain is not None}
     preflight = (ROOT / "worker" / "preflight.py").read_text()
     kinds |= set(re.findall(r"kind ``(\w+)``", preflight))
-    kinds |= set(re.findall(r'kind="(\w+)"', (ROOT / "worker" / "server.py").read_text()))
+    kinds |= set(re.findall(r'kind="(\w+)"', (ROOT / "worker" / "startup.py").read_text()))
     return kinds
 
 
@@ -287,3 +295,28 @@ def test_error_examples_are_the_workers_words() -> None:
     prestart = _error_example("prestart_failed")["message"]
     assert prestart.startswith("vLLM exited with code 1 during start-up for a reason the worker ")
     assert "during start-up for a reason the worker " in policy
+
+
+# -- claims --------------------------------------------------------------------------------
+def prose_paragraphs() -> list[str]:
+    """The README's paragraphs and list items outside code blocks and tables."""
+    text = re.sub(r"```.*?```", "", readme(), flags=re.S)
+    paragraphs = re.split(r"\n\s*\n|\n(?=\* )", text)
+    return [p for p in paragraphs if p.strip() and not p.lstrip().startswith("|")]
+
+
+REFERENCE = re.compile(r"`((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?`|`::(\w+)`")
+
+
+def test_every_tested_or_measured_claim_names_its_test_or_benchmark() -> None:
+    unnamed = [p.strip()[:120] for p in prose_paragraphs()
+               if re.search(r"\b(?:tested|measured)\b", p, re.I) and not REFERENCE.search(p)]
+    assert unnamed == [], "say which test or benchmark backs each of these"
+
+
+def test_every_test_and_script_the_readme_names_exists() -> None:
+    for match in re.finditer(r"`((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?`", readme()):
+        path, name = ROOT / match[1], match[2]
+        assert path.is_file(), match[0]
+        if name is not None:
+            assert re.search(rf"^(?:async )?def {name}\(", path.read_text(), re.M), match[0]
