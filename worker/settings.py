@@ -20,10 +20,15 @@ from worker.errors import ConfigError
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable of the worker: its name, default, parser and meaning."""
+    """One environment variable of the worker: its name, default, parser and meaning.
+
+    ``field`` is the :class:`Settings` attribute; None for the two inputs of the command
+    itself (``VLLM_CONFIG_FILE``, ``VLLM_EXTRA_ARGS``), which :mod:`worker.command` reads from
+    the environment it builds from: a relaunch changes them there.
+    """
 
     env: str
-    field: str
+    field: str | None
     default: Any
     parse: Callable[[str], Any]
     doc: str
@@ -148,9 +153,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BAKED_MODEL_FILE", "baked_model_file", "/local_model_args.json", _text,
             "The file naming a model baked into the image (written by the image build); its "
             "values replace the model variables, and vLLM runs offline."),
-    Setting("VLLM_CONFIG_FILE", "config_file", "", _text,
+    Setting("VLLM_CONFIG_FILE", None, "", _text,
             "vLLM YAML config passed as --config (default /vllm_config.yaml when it exists)."),
-    Setting("VLLM_EXTRA_ARGS", "extra_args", "", _text,
+    Setting("VLLM_EXTRA_ARGS", None, "", _text,
             "Arguments appended verbatim (shell-split) to `vllm serve`; they win over all."),
 )
 
@@ -184,8 +189,6 @@ class Settings:
     mode: str = ""
     flag_catalog: str = ""
     baked_model_file: str = "/local_model_args.json"
-    config_file: str = ""
-    extra_args: str = ""
     queue: bool = False
     """Runpod's job environment is present (``RUNPOD_WEBHOOK_GET_JOB``): a queue endpoint."""
 
@@ -196,7 +199,7 @@ class Settings:
         values: dict[str, Any] = {"queue": defaults.queue}
         for setting in SETTINGS:
             raw = env.get(setting.env, "").strip()
-            if not raw:
+            if not raw or setting.field is None:
                 continue
             try:
                 values[setting.field] = setting.parse(raw)
@@ -256,7 +259,7 @@ def _check_table_matches_dataclass() -> None:
     # The table and the dataclass must agree, or the README would document a lie.
     fields = {f.name: f.default for f in dataclasses.fields(Settings)}
     for setting in SETTINGS:
-        if fields.get(setting.field, object()) != setting.default:
+        if setting.field is not None and fields.get(setting.field, object()) != setting.default:
             raise AssertionError(f"SETTINGS row {setting.env} disagrees with Settings")
 
 
