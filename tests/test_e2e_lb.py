@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 
 from tests.conftest import free_port
 from tests.lb_worker import LbWorker, Tap, start_lb_worker
+from tests.test_examples import LOAD_BALANCER, curl_commands
+from tests.worker_process import base_env
 
 pytestmark = pytest.mark.vllm
 
@@ -45,13 +48,21 @@ def test_health_clients_and_the_relayed_stream_then_vllms_death(
 
     port = free_port()
     tap = Tap(port)  # records what vLLM itself sends the worker
-    lb = start({**tiny_env, "VLLM_PORT": str(port), "VLLM_BASE_URL": f"http://127.0.0.1:{tap.port}"},
-               tmp_path, lb_workers)
+    # Served under the name the README's curl command uses.
+    lb = start({**tiny_env, "VLLM_PORT": str(port), "SERVED_MODEL_NAME": "Qwen/Qwen3-0.6B",
+                "VLLM_BASE_URL": f"http://127.0.0.1:{tap.port}"}, tmp_path, lb_workers)
     lb.wait_for_status(200, timeout=300)
     statuses = lb.health.statuses()
     assert statuses[statuses.index(204):] == [204, 200], statuses
     print(f"real vLLM: first 204 {lb.health.first(204):.2f} s, first 200 "
           f"{lb.health.first(200):.2f} s after the spawn")
+
+    # The README's curl command, at the worker's address instead of the endpoint's.
+    [readme_curl] = curl_commands(load_balancer=True)
+    done = subprocess.run(["bash", "-c", readme_curl.replace(LOAD_BALANCER, lb.url)],
+                          env={**base_env(), "RUNPOD_ENDPOINT_ID": "x", "RUNPOD_API_KEY": "k"},
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(done.stdout)["choices"][0]["message"]["role"] == "assistant"
 
     client = openai.OpenAI(base_url=f"{lb.url}/v1", api_key="runpod-key-unused")
     [model] = [m.id for m in client.models.list()]

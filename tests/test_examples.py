@@ -202,19 +202,24 @@ def _readme_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
 
 
-def _curl_commands() -> list[str]:
-    """The README's curl commands (continuation lines joined)."""
+#: The address of a load-balancing endpoint (tests/test_e2e_lb.py runs those commands).
+LOAD_BALANCER = "https://$RUNPOD_ENDPOINT_ID.api.runpod.ai"
+
+
+def curl_commands(load_balancer: bool = False) -> list[str]:
+    """The README's curl commands (continuation lines joined): those of the queue routes, or
+    those of a load-balancing endpoint."""
     commands = []
     for block in _readme_blocks("bash"):
         for command in block.replace("\\\n", " ").splitlines():
-            if command.strip().startswith("curl "):
+            if command.strip().startswith("curl ") and (LOAD_BALANCER in command) is load_balancer:
                 commands.append(command.strip())
     return commands
 
 
 @pytest.mark.vllm
 def test_readme_curl_commands_work_against_the_local_api(local_worker: LocalWorker) -> None:
-    commands = _curl_commands()
+    commands = curl_commands()
     assert len(commands) >= 2  # the local one at the top, the platform one below
     for command in commands:
         local = command.replace(PLATFORM, local_worker.api_url)
