@@ -9,8 +9,21 @@
 #       --build-arg MODEL_NAME=Qwen/Qwen3-0.6B --secret id=HF_TOKEN,env=HF_TOKEN .
 #
 # The version the worker is tested with (scripts/install_vllm_cpu.sh pins the same one).
+# VLLM_VERSION is taken as users write it: a version with or without its "v" (0.32.0,
+# v0.32.0) names the official tag v0.32.0; any other tag (latest, nightly, nightly-<commit>)
+# is used as written. VLLM_IMAGE replaces the whole image name (a mirror, a custom build).
+# The ARGs below compute the tag with the substitutions of Dockerfile syntax 1.7 and later
+# (${VAR#pattern}, ${VAR%pattern}), which have no character classes: "starts with a digit"
+# means that VLLM_VERSION's first character cuts the string of digits. (The two characters
+# after the digits keep buildah's parser, which never cuts a prefix leaving fewer than two,
+# in step with BuildKit's; "/" is in no tag.)
 ARG VLLM_VERSION=0.32.0
-FROM vllm/vllm-openai:v${VLLM_VERSION}
+ARG _VLLM_DIGITS=0123456789//
+ARG _VLLM_REST=${VLLM_VERSION#?}
+ARG _VLLM_FIRST=${VLLM_VERSION%${_VLLM_REST}}
+ARG _VLLM_NUMERIC=${_VLLM_DIGITS%${_VLLM_DIGITS#*${_VLLM_FIRST}}}
+ARG VLLM_IMAGE=vllm/vllm-openai:${_VLLM_NUMERIC:+v}${VLLM_VERSION}
+FROM ${VLLM_IMAGE}
 
 # -- the worker ------------------------------------------------------------------------------
 # Its own venv: the runpod SDK needs a FastAPI that vLLM's pins exclude, so the two must not
@@ -59,10 +72,15 @@ ARG MODEL_REVISION=""
 ARG TOKENIZER_NAME=""
 ARG TOKENIZER_REVISION=""
 ARG QUANTIZATION=""
+# Another Hub than huggingface.co (a mirror, or the tests' stand-in): for this download only,
+# the image keeps no HF_ENDPOINT. An empty value must not reach huggingface_hub (it would take
+# "" as the address), hence the unset.
+ARG HF_ENDPOINT=""
 COPY scripts/download_model.py /opt/worker-src/scripts/download_model.py
 RUN --mount=type=secret,id=HF_TOKEN,required=false \
     if [ -n "$MODEL_NAME" ]; then \
-      HF_HOME=/tmp/hf-build python3 /opt/worker-src/scripts/download_model.py \
+      if [ -z "$HF_ENDPOINT" ]; then unset HF_ENDPOINT; fi \
+      && HF_HOME=/tmp/hf-build python3 /opt/worker-src/scripts/download_model.py \
         --dest /models --args-file /local_model_args.json \
       && rm -rf /tmp/hf-build; \
     fi

@@ -99,10 +99,110 @@ def test_vllm_version_is_the_tested_one() -> None:
     assert args_and_defaults()["VLLM_VERSION"] == pinned_cpu_version() == PACKAGED_VERSION
 
 
+# -- the base image's name, as BuildKit computes it from the global ARGs ----------------------
+def _glob(pattern: str) -> str:
+    """A Dockerfile substitution pattern as a regex: ``*`` and ``?`` are its only globs."""
+    return "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+
+
+def _operand_end(word: str, start: int) -> int:
+    """Index of the ``}`` closing the substitution whose operand starts at ``start``."""
+    depth = 0
+    for i in range(start, len(word)):
+        if word.startswith("${", i):
+            depth += 1
+        elif word[i] == "}":
+            if depth == 0:
+                return i
+            depth -= 1
+    raise AssertionError(f"no closing brace in {word!r}")
+
+
+def expand(word: str, args: dict[str, str]) -> str:
+    """BuildKit's expansion of a Dockerfile word (frontend/dockerfile/shell/lex.go, syntax 1.7
+    and later) for the forms the Dockerfile uses: ``${X}``, ``${X:-w}``, ``${X:+w}``,
+    ``${X#p}``, ``${X##p}``, ``${X%p}``, ``${X%%p}``, nested in ``w`` and ``p``."""
+    out, i = [], 0
+    while i < len(word):
+        if not word.startswith("${", i):
+            out.append(word[i])
+            i += 1
+            continue
+        match = re.match(r"[A-Za-z_][A-Za-z0-9_]*", word[i + 2:])
+        assert match is not None, word
+        value, j = args.get(match[0], ""), i + 2 + len(match[0])
+        op = next(o for o in ("}", ":-", ":+", "##", "#", "%%", "%") if word.startswith(o, j))
+        if op == "}":
+            out.append(value)
+            i = j + 1
+            continue
+        end = _operand_end(word, j + len(op))
+        operand = expand(word[j + len(op):end], args)
+        cuts = range(len(value) + 1)
+        if op == ":-":
+            out.append(value or operand)
+        elif op == ":+":
+            out.append(operand if value else "")
+        elif op.startswith("#"):  # the shortest (#) or longest (##) matching prefix goes
+            ks = [k for k in cuts if re.fullmatch(_glob(operand), value[:k])]
+            out.append(value[(min(ks) if op == "#" else max(ks)):] if ks else value)
+        else:  # the shortest (%) or longest (%%) matching suffix goes
+            ks = [k for k in cuts if re.fullmatch(_glob(operand), value[k:])]
+            out.append(value[:(max(ks) if op == "%" else min(ks))] if ks else value)
+        i = end + 1
+    return "".join(out)
+
+
+def base_image(build_args: dict[str, str]) -> str:
+    """The FROM image for these build arguments: the global ARGs evaluated in order, each
+    default expanded with those before it (BuildKit's buildMetaArgs), a given argument as is."""
+    args: dict[str, str] = {}
+    for keyword, rest in instructions():
+        if keyword == "FROM":
+            return expand(rest, args)
+        assert keyword == "ARG", f"only ARGs may come before FROM, not {keyword}"
+        name, _, default = rest.partition("=")
+        args[name] = build_args[name] if name in build_args else expand(default, args)
+    raise AssertionError("no FROM")
+
+
 def test_base_image_is_the_official_vllm_image_of_that_version() -> None:
     froms = [rest for keyword, rest in instructions() if keyword == "FROM"]
+    assert froms == ["${VLLM_IMAGE}"]
     # The official tags carry a "v": vllm/vllm-openai:v0.32.0.
-    assert froms == ["vllm/vllm-openai:v${VLLM_VERSION}"]
+    assert base_image({}) == f"vllm/vllm-openai:v{PACKAGED_VERSION}"
+
+
+@pytest.mark.parametrize(("version", "image"), [
+    ("0.32.0", "vllm/vllm-openai:v0.32.0"),
+    ("v0.32.0", "vllm/vllm-openai:v0.32.0"),  # the reference worker's README writes the "v"
+    ("0.9.2", "vllm/vllm-openai:v0.9.2"),
+    ("10.0.1", "vllm/vllm-openai:v10.0.1"),
+    ("latest", "vllm/vllm-openai:latest"),
+    ("nightly", "vllm/vllm-openai:nightly"),
+    ("nightly-3f1c0de", "vllm/vllm-openai:nightly-3f1c0de"),
+    ("v0.32.0-x86_64", "vllm/vllm-openai:v0.32.0-x86_64"),
+    ("x86_64", "vllm/vllm-openai:x86_64"),
+])
+def test_vllm_version_is_taken_as_users_write_it(version: str, image: str) -> None:
+    """The image tests build three of these forms for real (tests/test_image.py)."""
+    assert base_image({"VLLM_VERSION": version}) == image
+
+
+def test_vllm_image_replaces_the_whole_name() -> None:
+    assert base_image({"VLLM_IMAGE": "registry.local/vllm:v0.32.0"}) == \
+        "registry.local/vllm:v0.32.0"
+
+
+def test_the_substitution_model_follows_the_shell() -> None:
+    """expand() agrees with POSIX sh on the forms the Dockerfile uses."""
+    words = ["${V#?}", "${V%${R}}", "${V##*.}", "${V%%.*}", "${V:+v}${V}", "${E:-d}",
+             "${D%${D#*${F}}}"]
+    env = {"V": "0.32.0", "R": ".32.0", "E": "", "D": "0123456789//", "F": "5"}
+    for word in words:
+        shell = subprocess.run(["sh", "-c", f'printf %s "{word}"'], env=env,
+                               capture_output=True, text=True, check=True).stdout
+        assert expand(word, env) == shell, word
 
 
 def test_hf_token_is_a_build_secret_and_never_an_arg_or_env() -> None:
@@ -149,7 +249,7 @@ def test_entrypoint_is_start_sh() -> None:
 def test_model_inside_build_args_and_cache_locations() -> None:
     args = args_and_defaults()
     for name in ("MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVISION",
-                 "QUANTIZATION"):
+                 "QUANTIZATION", "HF_ENDPOINT"):
         assert args[name] == "", name
     assert args["BASE_PATH"] == "/runpod-volume"
     env = env_values()
@@ -162,6 +262,17 @@ def test_model_inside_build_args_and_cache_locations() -> None:
     assert f"--args-file {baked}" in download
     assert "--dest /models" in download  # not under BASE_PATH, which a volume would hide
     assert 'if [ -n "$MODEL_NAME" ]' in download
+
+
+def test_hf_endpoint_reaches_the_download_step_only() -> None:
+    """Declared right before the download, so no other step sees it, and never an ENV: the
+    image keeps talking to huggingface.co (or to what the endpoint's environment says)."""
+    found = instructions()
+    declared = found.index(("ARG", 'HF_ENDPOINT=""'))
+    later_runs = [rest for keyword, rest in found[declared:] if keyword == "RUN"]
+    assert len(later_runs) == 1 and "download_model.py" in later_runs[0]
+    assert 'if [ -z "$HF_ENDPOINT" ]; then unset HF_ENDPOINT; fi' in later_runs[0]
+    assert "HF_ENDPOINT" not in env_values()
 
 
 def dockerignore_allows(path: str) -> bool:
