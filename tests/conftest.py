@@ -87,6 +87,23 @@ def fresh_hf_home(
     monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf-home")))
 
 
+#: Figures measured by tests (build times, sizes, start times): printed at the end of the run,
+#: never asserted.
+FIGURES: list[str] = []
+
+
+def report_figure(line: str) -> None:
+    FIGURES.append(line)
+    print(line)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.section("figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
 def load_script(path: Path, extra_path: Path | None = None) -> ModuleType:
     """A script of the repo (not a package module) imported for a test; ``extra_path`` is on
     sys.path meanwhile, as the script's own folder is when it runs."""

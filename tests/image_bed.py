@@ -1,0 +1,133 @@
+"""The Python side of the image test bed: builds, containers and exports through the builder
+of ``scripts/make_base_image.py`` (trixie's buildah, chrooted; see its docstring)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from tests.conftest import load_script
+from tests.worker_process import ROOT, WorkerProcess
+
+BED_SCRIPT = ROOT / "scripts" / "make_base_image.py"
+#: Where a container finds the environment the test gives it (a file, never argv).
+ENV_DIR_IN_CONTAINER = "/run/worker-test"
+
+
+@dataclass(frozen=True)
+class Build:
+    tag: str
+    returncode: int
+    log: str
+    seconds: float
+
+    def failure(self) -> str:
+        """What a failed build said: its last lines name the step and the problem."""
+        tail = "\n".join(self.log.splitlines()[-25:])
+        return (f"building {self.tag} failed (exit {self.returncode}); the build's last "
+                f"lines:\n{tail}")
+
+
+class ImageBed:
+    """The stand-in base, the builder, and what tests do with them."""
+
+    def __init__(self) -> None:
+        if shutil.which("debootstrap") is None or shutil.which("unshare") is None:
+            raise RuntimeError("the image tests need root, debootstrap and unshare: "
+                               "apt-get install -y debootstrap util-linux (.ci/run does it)")
+        self.module: ModuleType = load_script(BED_SCRIPT)
+        self.builder: Any = self.module.Builder().ensure()
+
+    def base(self, version: str) -> list[str]:
+        tags: list[str] = self.module.build_base(self.builder, version)
+        return tags
+
+    def run(self, tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done: subprocess.CompletedProcess[str] = self.builder.run(tool, *args, check=check)
+        return done
+
+    def argv(self, tool: str, *args: str) -> list[str]:
+        argv: list[str] = self.builder.argv(tool, *args)
+        return argv
+
+    def build(self, tag: str, log_path: Path, *, build_args: Mapping[str, str] | None = None,
+              secrets: Mapping[str, Path] | None = None,
+              dockerfile: Path = ROOT / "Dockerfile", context: Path = ROOT) -> Build:
+        """``docker build`` as buildah does it: the Dockerfile unchanged, no pull (the base is
+        local), cached layers (a rebuild with the same base and sources is instant)."""
+        argv = ["bud", "--isolation", "chroot", "--pull=never", "--layers", "--force-rm",
+                "--network", "host",
+                *self.builder.ulimits(), "-f", str(dockerfile), "-t", tag]
+        for name, value in (build_args or {}).items():
+            argv += ["--build-arg", f"{name}={value}"]
+        for name, path in (secrets or {}).items():
+            argv += ["--secret", f"id={name},src={path}"]
+        started = time.monotonic()
+        with open(log_path, "w") as log:
+            done = subprocess.run(self.argv("buildah", *argv, str(context)),
+                                  env=self.module.clean_env(), stdout=log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False)
+        return Build(tag, done.returncode, log_path.read_text(errors="replace"),
+                     time.monotonic() - started)
+
+    def inspect(self, image: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.run("buildah", "inspect", "--type", "image",
+                                                   image).stdout)
+        return data
+
+    def size(self, image: str) -> int:
+        """The image's size on disk, its base's layers included."""
+        return int(self.run("podman", "image", "inspect", "--format", "{{.Size}}",
+                            image).stdout.strip())
+
+    def export(self, image: str, dest: Path) -> Path:
+        """The image as an OCI layout with uncompressed layers (each blob greppable)."""
+        self.run("buildah", "push", "--disable-compression", image, f"oci:{dest}")
+        return dest
+
+    def container(self, image: str, env: Mapping[str, str], log_path: Path, *,
+                  mounts: Sequence[tuple[Path, str]] = ()) -> Container:
+        return Container(self, image, env, log_path, mounts=mounts)
+
+
+class Container(WorkerProcess):
+    """The image's entrypoint (ENTRYPOINT + CMD of its config) running in a working container.
+
+    The environment reaches it through a file the entrypoint's shell sources, so that no value
+    (a token above all) is in any process's argv, buildah's included. The container shares the
+    host's network and PID space: its processes are the machine's, loopback is the machine's.
+    """
+
+    def __init__(self, bed: ImageBed, image: str, env: Mapping[str, str], log_path: Path, *,
+                 mounts: Sequence[tuple[Path, str]] = ()) -> None:
+        self.bed = bed
+        self.name = bed.run("buildah", "from", "--pull=never", *bed.builder.ulimits(),
+                            image).stdout.split()[-1]
+        config = bed.inspect(image)["OCIv1"]["config"]
+        self.entrypoint = [*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])]
+        env_dir = log_path.with_name(log_path.stem + "-env")
+        env_dir.mkdir(mode=0o700)
+        env_file = env_dir / "env"
+        env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+        env_file.chmod(0o600)
+        binds = [(env_dir, ENV_DIR_IN_CONTAINER), *mounts]
+        mount_args = [a for source, target in binds
+                      for a in ("--mount", f"type=bind,source={source},destination={target},"
+                                           "ro")]
+        argv = bed.argv("buildah", "run", "--isolation", "chroot", *mount_args, self.name, "--",
+                        "/bin/sh", "-c", f'. {ENV_DIR_IN_CONTAINER}/env && exec "$@"', "sh",
+                        *self.entrypoint)
+        self.started_at = time.monotonic()
+        super().__init__(argv, {}, log_path=log_path)
+
+    def kill(self) -> None:
+        super().kill()
+        self.bed.run("buildah", "rm", self.name, check=False)

@@ -1,0 +1,439 @@
+"""The image, built and run for real: every deploy option as a container (marked ``image``).
+
+No Docker engine, GPU or Docker Hub here. ``scripts/make_base_image.py`` makes a stand-in of
+the official vLLM image from packages (its docstring lists how it differs from the real one)
+and a builder (buildah); the Dockerfile is built unchanged on top of it, for Option 1 and for
+Option 2 (the tiny model downloaded at build time from a loopback stand-in of the Hugging Face
+Hub, as a gated repo that needs the build secret). Containers run the image's own entrypoint
+with buildah, on the host's network, against the test bed's loopback job API:
+
+* serverless mode: prompt, messages, a stream and a generic route answered by real vLLM; the
+  flag catalog is the baked file, and no catalog is dumped at start;
+* local mode: the README's ``/runsync`` curl call;
+* http mode (a plain pod): ``/v1/models``, a chat completion, the health route;
+* Option 2: the baked model served offline (the stand-in Hub counts no request at start), and
+  a diagnosed start failure answering jobs with ``startup_error``;
+* secrets: the build secret is in no layer, config, history entry or build log; a run-time
+  ``HF_TOKEN`` is in no process's argv and no log line (and does reach vLLM's environment);
+* ``VLLM_VERSION`` as ``v0.32.0``, ``0.32.0`` and ``latest`` resolves to an existing tag;
+* a Dockerfile whose COPY names a missing file fails the build with the file's name.
+
+Containers serve the tiny model on the CPU: eager mode, a 512-token context, a 64 MB KV cache
+and float32 (the portable CPU kernels). Build and start times, and the worker's layers' size
+over the base, are printed in the run's "figures" section, never asserted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port, report_figure
+from tests.fake_hub import FakeHub
+from tests.fake_job_api import FakeJobApi, JobRecord
+from tests.image_bed import Build, Container, ImageBed
+from tests.test_docker import readme_docker_builds
+from tests.test_examples import _curl_commands
+from tests.test_security import every_cmdline
+from tests.worker_process import ROOT, WorkerProcess
+from worker.flags import PACKAGED_VERSION, packaged_catalog_path
+
+pytestmark = pytest.mark.image
+
+BUILD_TOKEN = "hf_BuildSecretOfTheGatedRepo7731"
+RUNTIME_TOKEN = "hf_RuntimeSecretOfTheEndpoint4402"
+GATED_REPO = "acme/tiny-gated"
+MODEL_IN_CONTAINER = "/models/tiny"
+IMAGE = "localhost/worker-vllm-test"
+#: The tiny model on a CPU (see tiny_env in conftest), with the portable float32 kernels.
+CPU_ENV = {"ENFORCE_EAGER": "true", "MAX_MODEL_LEN": "512", "KV_CACHE_MEMORY_BYTES": "64M",
+           "DTYPE": "float32", "VLLM_STARTUP_TIMEOUT": "300", "MAX_CONCURRENCY": "8"}
+BAKED_CATALOG_LINE = "vLLM flag catalog: /opt/worker/vllm-flags.json (VLLM_FLAG_CATALOG)"
+#: The health route of each mode that serves HTTP itself. Issue 13's load-balancer mode adds
+#: its own entry here: ("lb", "/ping").
+HTTP_MODES = [("http", "/health")]
+START_TIMEOUT = 400.0
+
+
+# -- the bed: base, builds ---------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def bed() -> ImageBed:
+    try:
+        return ImageBed()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def base_tags(bed: ImageBed) -> list[str]:
+    started = time.monotonic()
+    tags = bed.base(PACKAGED_VERSION)
+    report_figure(f"stand-in base {tags[0]}: ready in {time.monotonic() - started:.0f} s "
+                  "(built unless cached on this machine)")
+    return tags
+
+
+@pytest.fixture(scope="session")
+def hub(tiny_model: Path) -> Iterator[FakeHub]:
+    with FakeHub(GATED_REPO, tiny_model, BUILD_TOKEN) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("image-builds")
+
+
+def built(bed: ImageBed, build_dir: Path, name: str, **kwargs: Any) -> Build:
+    build = bed.build(f"{IMAGE}:{name}", build_dir / f"{name}.log", **kwargs)
+    if build.returncode != 0:
+        pytest.fail(build.failure())
+    report_figure(f"build {name}: {build.seconds:.0f} s")
+    return build
+
+
+def readme_build(option: int, hub: FakeHub | None = None) -> dict[str, Any]:
+    """The README's ``docker build`` of Option ``option`` as the bed's arguments: its build
+    arguments and secrets, the model replaced by the stand-in Hub's gated repo."""
+    words = readme_docker_builds()[option - 1]
+    build_args: dict[str, str] = {}
+    secrets: list[str] = []
+    for flag, value in itertools.pairwise(words):
+        if flag == "--build-arg":
+            name, _, text = value.partition("=")
+            build_args[name] = GATED_REPO if name == "MODEL_NAME" else text
+        elif flag == "--secret":
+            secrets.append(dict(p.split("=", 1) for p in value.split(","))["id"])
+    if hub is not None:
+        build_args["HF_ENDPOINT"] = hub.url
+    return {"build_args": build_args, "secrets": secrets}
+
+
+@pytest.fixture(scope="session")
+def option1(bed: ImageBed, base_tags: list[str], build_dir: Path) -> Build:
+    """The README's ``docker build -t worker-vllm .``: no build argument at all."""
+    wanted = readme_build(1)
+    assert wanted == {"build_args": {}, "secrets": []}, wanted
+    build = built(bed, build_dir, "option1")
+    worker_layers = bed.size(build.tag) - bed.size(base_tags[0])
+    report_figure(f"worker layers over the base: {worker_layers / 2**20:.0f} MiB")
+    return build
+
+
+@pytest.fixture(scope="session")
+def option2(bed: ImageBed, option1: Build, hub: FakeHub, build_dir: Path) -> Build:
+    """The README's Option 2 with the stand-in Hub: the gated tiny model, the build secret."""
+    wanted = readme_build(2, hub)
+    assert wanted["secrets"] == ["HF_TOKEN"], wanted
+    secret = build_dir / "hf-token"
+    secret.write_text(BUILD_TOKEN)
+    secret.chmod(0o600)
+    return built(bed, build_dir, "option2", build_args=wanted["build_args"],
+                 secrets={"HF_TOKEN": secret})
+
+
+# -- containers --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def serverless_api() -> Iterator[FakeJobApi]:
+    """The job API of the module's serverless container alone (other tests get their own
+    job_api: a worker takes every job of the API it polls)."""
+    with FakeJobApi() as api:
+        yield api
+
+
+@dataclass
+class Running:
+    container: Container
+    vllm_port: int
+    taking_after: float | None = None
+
+
+def start(bed: ImageBed, image: str, env: dict[str, str], log: Path, *, mounts:
+          list[tuple[Path, str]] | None = None) -> Running:
+    vllm_port = free_port()
+    container = bed.container(image, {**CPU_ENV, "VLLM_PORT": str(vllm_port), **env}, log,
+                              mounts=mounts or [])
+    return Running(container, vllm_port)
+
+
+def wait_taking_jobs(running: Running) -> float:
+    """Seconds from the entrypoint's start to the worker's 'taking jobs'."""
+    running.container.wait_for_log("taking jobs", timeout=START_TIMEOUT)
+    running.taking_after = time.monotonic() - running.container.started_at
+    return running.taking_after
+
+
+@pytest.fixture(scope="module")
+def serverless(bed: ImageBed, option1: Build, serverless_api: FakeJobApi, tiny_model: Path,
+               hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """Option 1 in serverless mode, the model from a mounted folder, a run-time HF_TOKEN."""
+    env = {**serverless_api.env(), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1",
+           "HF_ENDPOINT": hub.url, "HF_TOKEN": RUNTIME_TOKEN}
+    log = tmp_path_factory.mktemp("serverless") / "container.log"
+    running = start(bed, option1.tag, env, log, mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+    try:
+        report_figure(f"cold start in the container (entrypoint -> taking jobs): "
+                      f"{wait_taking_jobs(running):.1f} s")
+        yield running
+    finally:
+        running.container.kill()
+
+
+def run_job(job_api: FakeJobApi, job_input: dict[str, Any]) -> JobRecord:
+    record = job_api.wait_done(job_api.submit(job_input), timeout=120)
+    assert record.done is not None and "error" not in record.done, record.done
+    return record
+
+
+def test_serverless_answers_prompt_messages_stream_and_a_route(
+    serverless: Running, serverless_api: FakeJobApi
+) -> None:
+    job_api = serverless_api
+    prompt = run_job(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 6,
+                                                                      "ignore_eos": True}})
+    [completion] = prompt.done["output"]
+    assert completion["object"] == "text_completion"
+    assert completion["usage"]["completion_tokens"] == 6
+
+    chat = run_job(job_api, {"messages": [{"role": "user", "content": "Hi"}],
+                             "sampling_params": {"max_tokens": 4, "ignore_eos": True}})
+    [answer] = chat.done["output"]
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["usage"]["completion_tokens"] == 4
+
+    stream = run_job(job_api, {"prompt": "Count", "stream": True,
+                               "sampling_params": {"max_tokens": 5, "ignore_eos": True}})
+    text = "".join(stream.outputs)
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 5
+
+    tokens = run_job(job_api, {"route": "/tokenize", "body": {"prompt": "Hello world"}})
+    [tokenized] = tokens.done["output"]
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0
+
+
+def test_the_flag_catalog_is_the_baked_file_and_nothing_is_dumped_at_start(
+    serverless: Running,
+) -> None:
+    log = serverless.container.log()
+    catalog_lines = [line for line in log.splitlines() if "flag catalog" in line]
+    assert any(BAKED_CATALOG_LINE in line for line in catalog_lines), (
+        "the worker did not load the catalog baked at /opt/worker/vllm-flags.json; its catalog "
+        f"lines: {catalog_lines}")
+    assert "dumped by" not in log and "could not dump" not in log, catalog_lines
+
+
+def test_a_runtime_hf_token_is_in_no_argv_and_no_log_line(serverless: Running) -> None:
+    [vllm_pid] = serverless.container.vllm_pids()
+    environ = Path(f"/proc/{vllm_pid}/environ").read_bytes().split(b"\0")
+    assert f"HF_TOKEN={RUNTIME_TOKEN}".encode() in environ, "the token did not reach vLLM"
+    assert RUNTIME_TOKEN not in every_cmdline(), "HF_TOKEN's value is in a process's argv"
+    assert RUNTIME_TOKEN not in serverless.container.log(), "HF_TOKEN's value is in the log"
+
+
+def test_cold_start_in_and_outside_the_container(
+    serverless: Running, tiny_model: Path, job_api: FakeJobApi, tmp_path: Path
+) -> None:
+    """The same start outside the container: this machine's venvs, the same catalog file."""
+    vllm_port = free_port()
+    env = {**job_api.env("outside"), **CPU_ENV, "MODEL_NAME": str(tiny_model),
+           "HF_HUB_OFFLINE": "1", "VLLM_PORT": str(vllm_port),
+           "VLLM_EXECUTABLE": os.environ.get("VLLM_EXECUTABLE",
+                                             str(ROOT / ".venv-vllm" / "bin" / "vllm")),
+           "VLLM_FLAG_CATALOG": str(packaged_catalog_path())}
+    started = time.monotonic()
+    worker = WorkerProcess([str(ROOT / ".venv" / "bin" / "python"), "-m", "worker"], env,
+                           log_path=tmp_path / "outside.log")
+    try:
+        worker.wait_for_log("taking jobs", timeout=START_TIMEOUT)
+        outside = time.monotonic() - started
+    finally:
+        worker.kill()
+    assert serverless.taking_after is not None
+    report_figure(f"cold start outside the container (python -m worker -> taking jobs): "
+                  f"{outside:.1f} s; inside: {serverless.taking_after:.1f} s")
+
+
+def test_local_mode_serves_the_readmes_runsync_call(
+    bed: ImageBed, option1: Build, tiny_model: Path, tmp_path: Path
+) -> None:
+    api_port = free_port()
+    [local_call] = [c for c in _curl_commands() if "http://127.0.0.1:8000/runsync" in c]
+    running = start(bed, option1.tag, {"WORKER_MODE": "local", "PORT": str(api_port),
+                                       "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1"},
+                    tmp_path / "local.log", mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+    try:
+        running.container.wait_for_log("Uvicorn running on", timeout=START_TIMEOUT)
+        command = local_call.replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                              timeout=120, check=True)
+        result = json.loads(done.stdout)
+        assert result["status"] == "COMPLETED", result
+        assert result["output"][0]["usage"]["completion_tokens"] > 0, result
+    finally:
+        running.container.kill()
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        raw = response.read()
+        return response.status, json.loads(raw) if raw else None
+
+
+def wait_http(url: str, container: Container, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if container.proc.poll() is not None:
+            raise AssertionError(f"the container exited ({container.proc.returncode}):\n"
+                                 + container.log()[-3000:])
+        try:
+            if http_json(url)[0] == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout} s:\n" + container.log()[-3000:])
+
+
+@pytest.mark.parametrize(("mode", "health"), HTTP_MODES, ids=[m for m, _ in HTTP_MODES])
+def test_http_mode_is_vllms_own_server(
+    mode: str, health: str, bed: ImageBed, option1: Build, tiny_model: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    # No WORKER_MODE and no Runpod job environment: start.sh picks the mode itself.
+    env = {"PORT": str(port), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1"}
+    if mode != "http":
+        env["WORKER_MODE"] = mode
+    running = start(bed, option1.tag, env, tmp_path / f"{mode}.log",
+                    mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + health, running.container)
+        status, models = http_json(base + "/v1/models")
+        assert status == 200 and models["data"][0]["id"] == MODEL_IN_CONTAINER, models
+        status, chat = http_json(base + "/v1/chat/completions", {
+            "model": MODEL_IN_CONTAINER, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3, "ignore_eos": True})
+        assert status == 200 and chat["usage"]["completion_tokens"] == 3, chat
+        assert http_json(base + health)[0] == 200
+    finally:
+        running.container.kill()
+
+
+# -- Option 2: the model inside ----------------------------------------------------------------
+def test_option2_serves_the_baked_model_offline(
+    bed: ImageBed, option2: Build, hub: FakeHub, job_api: FakeJobApi, tmp_path: Path
+) -> None:
+    # HF_ENDPOINT points at the stand-in, so that any Hub request at start would be counted;
+    # no MODEL_NAME and no HF_HUB_OFFLINE: the image's /local_model_args.json must suffice.
+    mark = hub.count()
+    running = start(bed, option2.tag, {**job_api.env("option2"), "HF_ENDPOINT": hub.url},
+                    tmp_path / "option2.log")
+    try:
+        wait_taking_jobs(running)
+        record = run_job(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 4}})
+        assert record.done["output"][0]["usage"]["completion_tokens"] > 0
+        launch = next(line for line in running.container.log().splitlines()
+                      if "launching:" in line)
+        assert f"/models/models--acme--tiny-gated/snapshots/{hub.commit}" in launch, launch
+    finally:
+        running.container.kill()
+    assert hub.since(mark) == [], "the worker or vLLM asked the Hub at start"
+
+
+def test_option2_a_diagnosed_start_failure_answers_jobs(
+    bed: ImageBed, option2: Build, job_api: FakeJobApi, tmp_path: Path
+) -> None:
+    running = start(bed, option2.tag, {**job_api.env("option2-bad"), "MAX_MODEL_LEN": "100000"},
+                    tmp_path / "option2-bad.log")
+    try:
+        record = job_api.wait_done(job_api.submit({"prompt": "Hi"}), timeout=START_TIMEOUT)
+        assert record.error is not None, record.done
+        assert record.error["type"] == "startup_error", record.error
+        assert record.error["kind"] == "max_model_len_too_large", record.error
+        assert "MAX_MODEL_LEN" in record.error["message"]
+    finally:
+        running.container.kill()
+
+
+def blobs_text(layout: Path) -> bytes:
+    """Every blob of an OCI layout (layers, config, manifest), gzip layers decompressed
+    (buildah reuses the compressed blobs it already has), concatenated."""
+    blobs = []
+    for path in sorted((layout / "blobs").rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            blobs.append(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    return b"\n".join(blobs)
+
+
+def test_the_build_secret_is_in_no_layer_config_history_or_build_log(
+    bed: ImageBed, option2: Build, hub: FakeHub, build_dir: Path
+) -> None:
+    used = [r for r in hub.requests if r.token == BUILD_TOKEN and "/resolve/" in r.path]
+    assert used, "the build never used the secret: the stand-in Hub saw no authorized download"
+    layout = bed.export(option2.tag, build_dir / "option2-oci")
+    blobs = blobs_text(layout)
+    inspected = json.dumps(bed.inspect(option2.tag))
+    # The scan sees what the layers and the history hold: the baked snapshot and the build's
+    # arguments are there.
+    assert hub.commit.encode() in blobs
+    assert hub.url in inspected
+    secret = BUILD_TOKEN.encode()
+    assert secret not in blobs, "the build secret is in a layer, the config or the manifest"
+    assert BUILD_TOKEN not in inspected, "the build secret is in the image's config or history"
+    assert BUILD_TOKEN not in option2.log, "the build secret is in the build log"
+
+
+# -- VLLM_VERSION as users write it --------------------------------------------------------------
+@pytest.mark.parametrize(("version", "tag"), [
+    (f"v{PACKAGED_VERSION}", f"v{PACKAGED_VERSION}"),
+    (PACKAGED_VERSION, f"v{PACKAGED_VERSION}"),
+    ("latest", "latest"),
+])
+def test_vllm_version_resolves_to_an_existing_tag(
+    version: str, tag: str, bed: ImageBed, option1: Build, build_dir: Path
+) -> None:
+    """The build log's FROM line is the resolved name; the build's success says the tag
+    exists (no pull: the stand-in has v0.32.0 and latest only). Its steps come from the cache
+    of Option 1's build: the same base, the same sources."""
+    build = built(bed, build_dir, f"vllm-{version}", build_args={"VLLM_VERSION": version})
+    assert f"FROM vllm/vllm-openai:{tag}\n" in build.log, build.log[:500]
+
+
+def test_the_stand_in_has_no_tag_a_wrong_resolution_could_hit(
+    bed: ImageBed, base_tags: list[str]
+) -> None:
+    for wrong in (PACKAGED_VERSION, f"vv{PACKAGED_VERSION}"):
+        found = bed.run("buildah", "inspect", "--type", "image",
+                        f"docker.io/vllm/vllm-openai:{wrong}", check=False)
+        assert found.returncode != 0, f"the stand-in has a tag {wrong}"
+
+
+# -- a broken Dockerfile -----------------------------------------------------------------------
+def test_a_copy_of_a_missing_file_fails_the_build_naming_it(
+    bed: ImageBed, base_tags: list[str], build_dir: Path
+) -> None:
+    broken = build_dir / "Dockerfile.broken"
+    text = (ROOT / "Dockerfile").read_text()
+    assert "COPY --chmod=755 start.sh /start.sh" in text
+    broken.write_text(text.replace("COPY --chmod=755 start.sh", "COPY --chmod=755 strat.sh"))
+    build = bed.build(f"{IMAGE}:broken", build_dir / "broken.log", dockerfile=broken)
+    assert build.returncode != 0
+    assert "strat.sh" in build.failure(), build.failure()
