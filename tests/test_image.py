@@ -29,6 +29,7 @@ import gzip
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -56,7 +57,8 @@ BUILD_TOKEN = "hf_BuildSecretOfTheGatedRepo7731"
 RUNTIME_TOKEN = "hf_RuntimeSecretOfTheEndpoint4402"
 GATED_REPO = "acme/tiny-gated"
 MODEL_IN_CONTAINER = "/models/tiny"
-IMAGE = "localhost/worker-vllm-test"
+#: This run's images (another checkout's run on the machine shares the storage, not the names).
+IMAGE = f"localhost/worker-vllm-test-{os.getpid()}"
 #: The tiny model on a CPU (see tiny_env in conftest), with the portable float32 kernels.
 CPU_ENV = {"ENFORCE_EAGER": "true", "MAX_MODEL_LEN": "512", "KV_CACHE_MEMORY_BYTES": "64M",
            "DTYPE": "float32", "VLLM_STARTUP_TIMEOUT": "300", "MAX_CONCURRENCY": "8"}
@@ -70,10 +72,14 @@ START_TIMEOUT = 400.0
 # -- the bed: base, builds ---------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def bed() -> ImageBed:
+    started = time.monotonic()
     try:
-        return ImageBed()
+        made = ImageBed()
     except RuntimeError as exc:
         pytest.fail(str(exc))
+    report_figure(f"builder ready in {time.monotonic() - started:.0f} s "
+                  "(made unless cached on this machine)")
+    return made
 
 
 @pytest.fixture(scope="session")
@@ -92,8 +98,14 @@ def hub(tiny_model: Path) -> Iterator[FakeHub]:
 
 
 @pytest.fixture(scope="session")
-def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("image-builds")
+def build_dir(bed: ImageBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield tmp_path_factory.mktemp("image-builds")
+    # This run's images go; so do cache layers no image uses any more (the base stays).
+    names = bed.run("buildah", "images", "--format", "{{.Name}}:{{.Tag}}").stdout.split()
+    mine = [name for name in names if name.startswith(IMAGE + ":")]
+    if mine:
+        bed.run("buildah", "rmi", *mine, check=False)
+    bed.run("buildah", "rmi", "--prune", check=False)
 
 
 def built(bed: ImageBed, build_dir: Path, name: str, **kwargs: Any) -> Build:
@@ -156,16 +168,26 @@ def serverless_api() -> Iterator[FakeJobApi]:
 @dataclass
 class Running:
     container: Container
-    vllm_port: int
     taking_after: float | None = None
 
 
-def start(bed: ImageBed, image: str, env: dict[str, str], log: Path, *, mounts:
-          list[tuple[Path, str]] | None = None) -> Running:
-    vllm_port = free_port()
-    container = bed.container(image, {**CPU_ENV, "VLLM_PORT": str(vllm_port), **env}, log,
-                              mounts=mounts or [])
-    return Running(container, vllm_port)
+@dataclass
+class Containers:
+    """Starts containers of the built images, each with the CPU settings and its own vLLM port.
+    Every container's Hub is the stand-in: no request can leave loopback, and any is counted."""
+
+    bed: ImageBed
+    hub: FakeHub
+
+    def start(self, image: str, env: dict[str, str], log: Path, *,
+              mounts: list[tuple[Path, str]] | None = None) -> Running:
+        full = {**CPU_ENV, "HF_ENDPOINT": self.hub.url, "VLLM_PORT": str(free_port()), **env}
+        return Running(self.bed.container(image, full, log, mounts=mounts or []))
+
+
+@pytest.fixture(scope="session")
+def containers(bed: ImageBed, hub: FakeHub) -> Containers:
+    return Containers(bed, hub)
 
 
 def wait_taking_jobs(running: Running) -> float:
@@ -176,13 +198,13 @@ def wait_taking_jobs(running: Running) -> float:
 
 
 @pytest.fixture(scope="module")
-def serverless(bed: ImageBed, option1: Build, serverless_api: FakeJobApi, tiny_model: Path,
-               hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+def serverless(containers: Containers, option1: Build, serverless_api: FakeJobApi,
+               tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     """Option 1 in serverless mode, the model from a mounted folder, a run-time HF_TOKEN."""
     env = {**serverless_api.env(), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1",
-           "HF_ENDPOINT": hub.url, "HF_TOKEN": RUNTIME_TOKEN}
+           "HF_TOKEN": RUNTIME_TOKEN}
     log = tmp_path_factory.mktemp("serverless") / "container.log"
-    running = start(bed, option1.tag, env, log, mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+    running = containers.start(option1.tag, env, log, mounts=[(tiny_model, MODEL_IN_CONTAINER)])
     try:
         report_figure(f"cold start in the container (entrypoint -> taking jobs): "
                       f"{wait_taking_jobs(running):.1f} s")
@@ -269,13 +291,14 @@ def test_cold_start_in_and_outside_the_container(
 
 
 def test_local_mode_serves_the_readmes_runsync_call(
-    bed: ImageBed, option1: Build, tiny_model: Path, tmp_path: Path
+    containers: Containers, option1: Build, tiny_model: Path, tmp_path: Path
 ) -> None:
     api_port = free_port()
     [local_call] = [c for c in _curl_commands() if "http://127.0.0.1:8000/runsync" in c]
-    running = start(bed, option1.tag, {"WORKER_MODE": "local", "PORT": str(api_port),
-                                       "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1"},
-                    tmp_path / "local.log", mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+    running = containers.start(option1.tag, {"WORKER_MODE": "local", "PORT": str(api_port),
+                                             "MODEL_NAME": MODEL_IN_CONTAINER,
+                                             "HF_HUB_OFFLINE": "1"},
+                               tmp_path / "local.log", mounts=[(tiny_model, MODEL_IN_CONTAINER)])
     try:
         running.container.wait_for_log("Uvicorn running on", timeout=START_TIMEOUT)
         command = local_call.replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
@@ -313,15 +336,16 @@ def wait_http(url: str, container: Container, timeout: float = START_TIMEOUT) ->
 
 @pytest.mark.parametrize(("mode", "health"), HTTP_MODES, ids=[m for m, _ in HTTP_MODES])
 def test_http_mode_is_vllms_own_server(
-    mode: str, health: str, bed: ImageBed, option1: Build, tiny_model: Path, tmp_path: Path
+    mode: str, health: str, containers: Containers, option1: Build, tiny_model: Path,
+    tmp_path: Path
 ) -> None:
     port = free_port()
     # No WORKER_MODE and no Runpod job environment: start.sh picks the mode itself.
     env = {"PORT": str(port), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1"}
     if mode != "http":
         env["WORKER_MODE"] = mode
-    running = start(bed, option1.tag, env, tmp_path / f"{mode}.log",
-                    mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+    running = containers.start(option1.tag, env, tmp_path / f"{mode}.log",
+                               mounts=[(tiny_model, MODEL_IN_CONTAINER)])
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + health, running.container)
@@ -338,13 +362,12 @@ def test_http_mode_is_vllms_own_server(
 
 # -- Option 2: the model inside ----------------------------------------------------------------
 def test_option2_serves_the_baked_model_offline(
-    bed: ImageBed, option2: Build, hub: FakeHub, job_api: FakeJobApi, tmp_path: Path
+    containers: Containers, option2: Build, hub: FakeHub, job_api: FakeJobApi, tmp_path: Path
 ) -> None:
-    # HF_ENDPOINT points at the stand-in, so that any Hub request at start would be counted;
-    # no MODEL_NAME and no HF_HUB_OFFLINE: the image's /local_model_args.json must suffice.
+    # The container's HF_ENDPOINT is the stand-in, which counts every request; no MODEL_NAME
+    # and no HF_HUB_OFFLINE: the image's /local_model_args.json must suffice.
     mark = hub.count()
-    running = start(bed, option2.tag, {**job_api.env("option2"), "HF_ENDPOINT": hub.url},
-                    tmp_path / "option2.log")
+    running = containers.start(option2.tag, job_api.env("option2"), tmp_path / "option2.log")
     try:
         wait_taking_jobs(running)
         record = run_job(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 4}})
@@ -358,10 +381,11 @@ def test_option2_serves_the_baked_model_offline(
 
 
 def test_option2_a_diagnosed_start_failure_answers_jobs(
-    bed: ImageBed, option2: Build, job_api: FakeJobApi, tmp_path: Path
+    containers: Containers, option2: Build, job_api: FakeJobApi, tmp_path: Path
 ) -> None:
-    running = start(bed, option2.tag, {**job_api.env("option2-bad"), "MAX_MODEL_LEN": "100000"},
-                    tmp_path / "option2-bad.log")
+    running = containers.start(option2.tag, {**job_api.env("option2-bad"),
+                                             "MAX_MODEL_LEN": "100000"},
+                               tmp_path / "option2-bad.log")
     try:
         record = job_api.wait_done(job_api.submit({"prompt": "Hi"}), timeout=START_TIMEOUT)
         assert record.error is not None, record.done
@@ -389,7 +413,10 @@ def test_the_build_secret_is_in_no_layer_config_history_or_build_log(
     used = [r for r in hub.requests if r.token == BUILD_TOKEN and "/resolve/" in r.path]
     assert used, "the build never used the secret: the stand-in Hub saw no authorized download"
     layout = bed.export(option2.tag, build_dir / "option2-oci")
-    blobs = blobs_text(layout)
+    try:
+        blobs = blobs_text(layout)
+    finally:
+        shutil.rmtree(layout)  # gigabytes
     inspected = json.dumps(bed.inspect(option2.tag))
     # The scan sees what the layers and the history hold: the baked snapshot and the build's
     # arguments are there.
