@@ -10,7 +10,8 @@ with buildah, on the host's network, against the test bed's loopback job API:
 * serverless mode: prompt, messages, a stream and a generic route answered by real vLLM; the
   flag catalog is the baked file, and no catalog is dumped at start;
 * local mode: the README's ``/runsync`` curl call;
-* http mode (a plain pod): ``/v1/models``, a chat completion, the health route;
+* http mode (a plain pod) and lb mode (a load-balancing endpoint): ``/v1/models``, a chat
+  completion, the health route (``/health``, ``/ping``);
 * Option 2: the baked model served offline (the stand-in Hub counts no request at start), and
   a diagnosed start failure answering jobs with ``startup_error``;
 * secrets: the build secret is in no layer, config, history entry or build log; a run-time
@@ -59,13 +60,12 @@ GATED_REPO = "acme/tiny-gated"
 MODEL_IN_CONTAINER = "/models/tiny"
 #: This run's images (another checkout's run on the machine shares the storage, not the names).
 IMAGE = f"localhost/worker-vllm-test-{os.getpid()}"
-#: The tiny model on a CPU (see tiny_env in conftest), with the portable float32 kernels.
-CPU_ENV = {"ENFORCE_EAGER": "true", "MAX_MODEL_LEN": "512", "KV_CACHE_MEMORY_BYTES": "64M",
-           "DTYPE": "float32", "VLLM_STARTUP_TIMEOUT": "300", "MAX_CONCURRENCY": "8"}
+#: What of tiny_env (conftest) belongs to this machine rather than to a container.
+HOST_ONLY = ("TMPDIR", "VLLM_CACHE_ROOT", "VLLM_EXECUTABLE", "MODEL_NAME", "HF_HUB_OFFLINE")
 BAKED_CATALOG_LINE = "vLLM flag catalog: /opt/worker/vllm-flags.json (VLLM_FLAG_CATALOG)"
-#: The health route of each mode that serves HTTP itself. Issue 13's load-balancer mode adds
-#: its own entry here: ("lb", "/ping").
-HTTP_MODES = [("http", "/health")]
+#: The modes that serve HTTP themselves, with their health route: a plain pod's vLLM, and the
+#: load-balancer worker (HEALTH_CHECK_PATH's default).
+HTTP_MODES = [("http", "/health"), ("lb", "/ping")]
 START_TIMEOUT = 400.0
 
 
@@ -178,16 +178,20 @@ class Containers:
 
     bed: ImageBed
     hub: FakeHub
+    cpu_env: dict[str, str]
 
     def start(self, image: str, env: dict[str, str], log: Path, *,
               mounts: list[tuple[Path, str]] | None = None) -> Running:
-        full = {**CPU_ENV, "HF_ENDPOINT": self.hub.url, "VLLM_PORT": str(free_port()), **env}
+        full = {**self.cpu_env, "HF_ENDPOINT": self.hub.url, "VLLM_PORT": str(free_port()),
+                **env}
         return Running(self.bed.container(image, full, log, mounts=mounts or []))
 
 
 @pytest.fixture(scope="session")
-def containers(bed: ImageBed, hub: FakeHub) -> Containers:
-    return Containers(bed, hub)
+def containers(bed: ImageBed, hub: FakeHub, tiny_env: dict[str, str]) -> Containers:
+    """The tiny model's CPU settings are the other tests' (eager, 512 tokens, a 64 MB KV cache,
+    float32)."""
+    return Containers(bed, hub, {k: v for k, v in tiny_env.items() if k not in HOST_ONLY})
 
 
 def wait_taking_jobs(running: Running) -> float:
@@ -268,14 +272,10 @@ def test_a_runtime_hf_token_is_in_no_argv_and_no_log_line(serverless: Running) -
 
 
 def test_cold_start_in_and_outside_the_container(
-    serverless: Running, tiny_model: Path, job_api: FakeJobApi, tmp_path: Path
+    serverless: Running, tiny_env: dict[str, str], job_api: FakeJobApi, tmp_path: Path
 ) -> None:
-    """The same start outside the container: this machine's venvs, the same catalog file."""
-    vllm_port = free_port()
-    env = {**job_api.env("outside"), **CPU_ENV, "MODEL_NAME": str(tiny_model),
-           "HF_HUB_OFFLINE": "1", "VLLM_PORT": str(vllm_port),
-           "VLLM_EXECUTABLE": os.environ.get("VLLM_EXECUTABLE",
-                                             str(ROOT / ".venv-vllm" / "bin" / "vllm")),
+    """The same start outside the container: this machine's venvs, a catalog file as well."""
+    env = {**job_api.env("outside"), **tiny_env, "VLLM_PORT": str(free_port()),
            "VLLM_FLAG_CATALOG": str(packaged_catalog_path())}
     started = time.monotonic()
     worker = WorkerProcess([str(ROOT / ".venv" / "bin" / "python"), "-m", "worker"], env,
@@ -340,7 +340,7 @@ def test_http_mode_is_vllms_own_server(
     tmp_path: Path
 ) -> None:
     port = free_port()
-    # No WORKER_MODE and no Runpod job environment: start.sh picks the mode itself.
+    # http: no WORKER_MODE and no Runpod job environment, the worker picks the mode itself.
     env = {"PORT": str(port), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1"}
     if mode != "http":
         env["WORKER_MODE"] = mode
