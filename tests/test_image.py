@@ -47,7 +47,7 @@ from tests.fake_hub import FakeHub
 from tests.fake_job_api import FakeJobApi, JobRecord
 from tests.image_bed import Build, Container, ImageBed
 from tests.test_docker import readme_docker_builds
-from tests.test_examples import _curl_commands
+from tests.test_examples import curl_commands
 from tests.test_security import every_cmdline
 from tests.worker_process import ROOT, WorkerProcess
 from worker.flags import PACKAGED_VERSION, packaged_catalog_path
@@ -294,7 +294,7 @@ def test_local_mode_serves_the_readmes_runsync_call(
     containers: Containers, option1: Build, tiny_model: Path, tmp_path: Path
 ) -> None:
     api_port = free_port()
-    [local_call] = [c for c in _curl_commands() if "http://127.0.0.1:8000/runsync" in c]
+    [local_call] = [c for c in curl_commands() if "http://127.0.0.1:8000/runsync" in c]
     running = containers.start(option1.tag, {"WORKER_MODE": "local", "PORT": str(api_port),
                                              "MODEL_NAME": MODEL_IN_CONTAINER,
                                              "HF_HUB_OFFLINE": "1"},
