@@ -16,6 +16,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from worker import stats
+
 logger = logging.getLogger("worker.jobloop")
 
 Handler = Callable[[dict[str, Any]], AsyncIterator[Any]]
@@ -68,7 +70,7 @@ class JobLoop:
         from runpod.http_client import AsyncClientSession
 
         scaler = self._scaler
-        async with AsyncClientSession() as session:
+        async with AsyncClientSession() as session, stats.reporting(lambda: self.jobs_in_flight):
             take = asyncio.create_task(scaler.get_jobs(session), name="runpod-job-take")
             run = asyncio.create_task(scaler.run_jobs(session), name="runpod-job-run")
             stops = asyncio.create_task(
