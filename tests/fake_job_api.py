@@ -128,6 +128,7 @@ class FakeJobApi:
         self.to_stop: list[str] = []
         self.take_requests: list[float] = []
         self.health_violations: list[str] = []
+        self.stop_hold: float | None = None  # how long a job-stop poll is held (None: hold)
         self.post_delay = 0.0  # seconds each job-stream/job-done POST takes
         self.refuse_posts = 0  # the next N POSTs answer 503 (the SDK retries)
         self.faults: dict[str, JobFaults] = {}
@@ -315,8 +316,21 @@ class FakeJobApi:
             job.attempts.append((kind, attempt, action))
             return action
 
+    def cancel_all(self, job_ids: list[str]) -> None:
+        with self._cond:
+            self.to_stop.extend(job_ids)
+            self._cond.notify_all()
+
+    def _untake(self, job_ids: list[str]) -> None:
+        """Put jobs whose hand-out did not reach the worker back at the head of the queue."""
+        with self._cond:
+            for job_id in job_ids:
+                self.jobs[job_id].taken_at = None
+            self.queue[:0] = job_ids
+            self._cond.notify_all()
+
     def _stops(self) -> list[str]:
-        deadline = time.monotonic() + self.hold
+        deadline = time.monotonic() + (self.hold if self.stop_hold is None else self.stop_hold)
         with self._cond:
             while not self.to_stop and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
@@ -371,18 +385,24 @@ class FakeJobApi:
                 api._set_busy(self.connection, True)
                 return super().parse_request()
 
-            def _reply(self, status: int, payload: Any = None) -> None:
+            def _reply(self, status: int, payload: Any = None) -> bool:
+                """Answer; False when the connection was gone (closed by a restart)."""
                 body = b"" if payload is None else json.dumps(payload).encode()
-                self.send_response(status)
-                if payload is not None:
-                    self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                if api._down:  # restarting: this connection ends with the answer
-                    self.send_header("Connection", "close")
+                try:
+                    self.send_response(status)
+                    if payload is not None:
+                        self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    if api._down:  # restarting: this connection ends with the answer
+                        self.send_header("Connection", "close")
+                        self.close_connection = True
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:
                     self.close_connection = True
-                self.end_headers()
-                self.wfile.write(body)
+                    return False
                 api._set_busy(self.connection, False)
+                return True
 
             def _reset(self) -> None:
                 """Drop the connection with a TCP reset instead of answering."""
@@ -405,14 +425,15 @@ class FakeJobApi:
                     return True
                 return False
 
-            def _answer(self, action: str, status: int, payload: Any = None) -> None:
-                """Answer after the work: or reset, or answer and restart the listener."""
+            def _answer(self, action: str, status: int, payload: Any = None) -> bool:
+                """Answer after the work: or reset, or answer and restart the listener;
+                False when the answer did not go out (planned or not)."""
                 if action == "reset-after":
                     self._reset()
-                    return
+                    return False
                 if action.startswith("refuse:"):
                     api.refuse_connections(_action_seconds(action))
-                self._reply(status, payload)
+                return self._reply(status, payload)
 
             def do_GET(self) -> None:
                 parts = urlsplit(self.path)
@@ -433,11 +454,17 @@ class FakeJobApi:
                     jobs = api._take(limit, lost=action == "reset-after")
                     if not jobs:
                         self._answer(action, 204)
-                    else:
-                        self._answer(action, 200, jobs if batch else jobs[0])
+                    elif not self._answer(action, 200, jobs if batch else jobs[0]) and (
+                            action != "reset-after"):
+                        # The connection was gone before the answer (a listener restart
+                        # closed it): the jobs were not handed out, as the platform notices.
+                        api._untake([job["id"] for job in jobs])
                 elif segments[0] == "job-stop":
                     stops = api._stops()
-                    self._reply(200, {"jobsToStop": stops}) if stops else self._reply(204)
+                    delivered = self._reply(200, {"jobsToStop": stops}) if stops else (
+                        self._reply(204))
+                    if not delivered:  # the platform signals a stop until the job stops
+                        api.cancel_all(stops)
                 else:
                     self._reply(200, {})
 

@@ -69,7 +69,7 @@ def _id_of(text: str) -> str | None:
     with contextlib.suppress(ValueError):
         payload = json.loads(text)
         if isinstance(payload, dict) and isinstance(payload.get("id"), str):
-            return payload["id"]
+            return str(payload["id"])
     return None
 
 

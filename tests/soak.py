@@ -33,7 +33,6 @@ import functools
 import json
 import random
 import re
-import statistics
 import sys
 import time
 import urllib.request
@@ -55,8 +54,17 @@ DONE_EVENT = b"data: [DONE]\n\n"
 POST_FAILED = "Failed to return job results"
 TAKE_FAILED = "Failed to get job"
 SDK_ATTEMPTS = 3  # runpod 1.12 rp_http._transmit: FibonacciRetry(attempts=3), 5xx only
-API_REFUSED = "job API refused connections"
+API_REFUSED = "job API restart: connection refused"
+API_CLOSED = "job API restart: connection closed under the request"
+_SEND_ERRORS = (("refused", re.compile(r"^Cannot connect to host")),
+                ("closed", re.compile(r"Server disconnected|Connection reset by peer|"
+                                      r"Can not write request body|"
+                                      r"Response payload is not completed")),
+                ("5xx", re.compile(r"^5\d\d, message=")))
 CANCEL_TOKENS = 440  # a real stream long enough to be cancelled (MAX_MODEL_LEN 512)
+# The job-stop long-poll is held this long, as the platform holds it: a cancel then reaches
+# the SDK at once, not after the second it sleeps between two empty polls.
+STOP_HOLD = 10.0
 _EVENT = re.compile(r".*?(?:\n\n|$)", re.S)
 
 
@@ -116,11 +124,11 @@ def _echo_of(method: str, path: str, body: Any, output: Any) -> bool:
     if not isinstance(output, dict) or (output.get("method"), output.get("path")) != (method,
                                                                                       path):
         return False
-    return (output["body"] is None) if body is None else json.loads(output["body"]) == body
+    return (output["body"] is None) if body is None else bool(json.loads(output["body"]) == body)
 
 
 def _models(output: Any) -> bool:
-    return output == {"object": "list", "data": [{"id": MODEL}]}
+    return bool(output == {"object": "list", "data": [{"id": MODEL}]})
 
 
 INVALID_INPUTS: tuple[Any, ...] = (
@@ -212,6 +220,7 @@ class FakeMix:
 
     def _route(self, tag: str) -> Plan:
         choice = self.rng.randrange(4)
+        check: Callable[[Any], bool]
         if choice == 0:
             body = {"tag": tag}
             job: dict[str, Any] = {"route": "/echo", "method": "POST", "body": body}
@@ -348,8 +357,16 @@ class Tally:
     false_alarms: Counter[str] = field(default_factory=Counter)
     recovered: Counter[str] = field(default_factory=Counter)
     cancels: Counter[str] = field(default_factory=Counter)
+    send_errors: Counter[str] = field(default_factory=Counter)  # the SDK's failed sends, by error
     problems: list[str] = field(default_factory=list)
     added: dict[int, list[float]] = field(default_factory=dict)  # phase -> added latency (s)
+
+    def send_failures_explained(self) -> int:
+        """The SDK's logged send failures the counts account for: each POST lost (but at
+        job-take, which the SDK never sees) and each that landed though its answer was reset."""
+        lost = sum(self.lost_chunks.values()) + sum(self.lost_results.values())
+        taken = self.lost_results["job-take reset after hand-out"]
+        return lost - taken + sum(self.false_alarms.values())
 
     def problem(self, record: JobRecord, plan: Plan, what: str) -> None:
         taken = record.taken_at or 0.0
@@ -380,41 +397,65 @@ def _is_subsequence(part: list[Any], whole: list[Any]) -> bool:
 
 
 def _check_posts(record: JobRecord, plan: Plan, expected: list[Any], fate: PostFate,
-                 refused: bool, tally: Tally) -> None:
-    """The stream POSTs at the API are ``expected`` less what the SDK's rules dropped."""
+                 lenient: bool, tally: Tally) -> int:
+    """The stream POSTs at the API are ``expected`` less what the SDK's rules dropped (or,
+    ``lenient``, when a restart of the job API may have dropped more: in order, a subset);
+    how many more it dropped."""
     landed = [item for index, item in enumerate(expected) if index not in fate.lost]
-    if record.outputs == landed:
-        tally.lost_chunks.update(cause for index, cause in fate.lost.items()
-                                 if index < len(expected))
-    elif refused and _is_subsequence(record.outputs, landed):
-        tally.lost_chunks[API_REFUSED] += len(landed) - len(record.outputs)
-    else:
+    if record.outputs != landed and not (lenient and _is_subsequence(record.outputs, landed)):
         tally.problem(record, plan, f"stream POSTs {str(record.outputs)[:300]} are not "
                                     f"{str(landed)[:300]}")
+    return len(landed) - len(record.outputs)
 
 
-def _check_stream_events(record: JobRecord, plan: Plan, lossy: bool, tally: Tally) -> None:
+def _count_restart(tally: Tally, extras: Counter[str], missing: int | None) -> None:
+    """Count the failed sends a job API restart explains: ``missing`` stream POSTs lost (all
+    of them when unknown), the others landed though the SDK saw the connection close."""
+    for kind in sorted(extras, key=lambda k: k != "refused"):
+        count = max(extras[kind], 0)
+        lost = count if missing is None else min(count, missing)
+        tally.lost_chunks[_restart_cause(kind)] += lost
+        if missing is not None:
+            missing -= lost
+        if count > lost:
+            tally.false_alarms[f"{_restart_cause(kind)}, after the API had it"] += count - lost
+
+
+def _check_stream_events(record: JobRecord, plan: Plan, lenient: bool, tally: Tally) -> None:
     """Without an aggregate to compare with: the posted events are vLLM's events, in order,
     all of them unless a POST could have been lost (then a subsequence)."""
     expected = plan.expect
-    posted = events_of("".join(o for o in record.outputs if isinstance(o, str)))
     if not all(isinstance(o, str) for o in record.outputs):
         tally.problem(record, plan, "a stream POST that is not text")
         return
+    posted = events_of("".join(record.outputs))
     if plan.expect.outcome == "cancelled":  # a prefix, up to the last event posted
         last = _fake_event_index(posted[-1]) if posted else -1
         wanted = [sse_event(i, MODEL).decode() for i in range(last + 1)]
     else:
         wanted = events_of(expected.stream_bytes().decode())
-    if posted == wanted or (lossy and _is_subsequence(posted, wanted)):
-        if lossy:
-            tally.lost_chunks[API_REFUSED] += int(posted != wanted)
-        return
-    tally.problem(record, plan, f"posted events are not vLLM's: {str(record.outputs)[:300]}")
+    if posted != wanted and not (lenient and _is_subsequence(posted, wanted)):
+        tally.problem(record, plan, f"posted events are not vLLM's: {str(record.outputs)[:300]}")
 
 
-def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally) -> None:
-    """Check one job of the fake-vLLM soak against its plan; count what it met."""
+def _restart_cause(kind: str) -> str:
+    return {"refused": API_REFUSED, "closed": API_CLOSED}.get(kind, f"job API restart: {kind}")
+
+
+def _send_kind(cause: str) -> str:
+    """The kind of logged send failure a loss by the SDK's rules shows as."""
+    return "5xx" if "5xx" in cause else "closed"
+
+
+def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally,
+                   send_errors: list[str] | None = None) -> None:
+    """Check one job of the fake-vLLM soak against its plan; count what it met.
+
+    ``send_errors``: the kinds of the SDK's failed sends the worker logged for this job
+    (:func:`send_failures`). Each must be explained by the SDK's rules applied to the faults
+    the job API recorded; during a restart of the job API the others are what the restart
+    cost (a refused connection, a connection closed under a request), counted by kind.
+    """
     tally.kinds[plan.kind] += 1
     tally.faults.update(f"{kind} {action}" for kind, _, action in record.attempts
                         if action != "ok")
@@ -423,7 +464,7 @@ def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally
     if record.lost_at_take:  # the API handed it out in an answer it then reset
         tally.outcomes["lost at job-take"] += 1
         tally.lost_results["job-take reset after hand-out"] += 1
-        if record.stream or record.done is not None:
+        if record.stream or record.done is not None or send_errors:
             tally.problem(record, plan, "a job lost at job-take ran")
         return
     if record.taken_at is None:
@@ -433,30 +474,47 @@ def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally
     for fate in (stream, done):
         tally.false_alarms.update(fate.false_alarms)
         tally.recovered.update(fate.recovered)
-    refused = windows.hit(record, "api")
+    tally.lost_chunks.update(stream.lost.values())
+    logged = Counter(send_errors or [])
+    explained = Counter(_send_kind(cause) for cause in [*stream.lost.values(),
+                                                        *done.lost.values()])
+    explained["closed"] += len(stream.false_alarms) + len(done.false_alarms)
+    restart = windows.hit(record, "api")
+    extras = logged - explained
+    if explained - logged or (extras and not restart):
+        tally.problem(record, plan, f"the SDK logged {dict(logged)} failed sends, its rules "
+                                    f"explain {dict(explained)}")
     expect = plan.expect
+    result_cause = done.lost.get(0)
+    if (record.done is None and result_cause is None and restart and extras
+            and expect.outcome != "cancelled"):
+        kind = "refused" if extras["refused"] else extras.most_common(1)[0][0]
+        extras[kind] -= 1
+        result_cause = _restart_cause(kind)
+    lenient = restart or bool(stream.lost)
+    if expect.outcome != "result" or record.error is not None or record.done is None:
+        _count_restart(tally, extras, None)  # no aggregate to tell lost from landed
 
     if expect.outcome == "cancelled":
         tally.outcomes["cancelled" if record.done is None else "cancel too late"] += 1
         tally.cancels["cancelled" if record.done is None else "finished first"] += 1
         if record.done is not None:
             tally.problem(record, plan, "a cancelled job got a job-done")
-        _check_stream_events(record, plan, refused, tally)
+        _check_stream_events(record, plan, lenient, tally)
         return
 
     if record.done is None:
-        cause = done.lost.get(0) or (API_REFUSED if refused else None)
-        if cause is None:
+        if result_cause is None:
             tally.problem(record, plan, "no job-done, and no fault explains it")
             return
         tally.outcomes["result lost"] += 1
-        tally.lost_results[cause] += 1
+        tally.lost_results[result_cause] += 1
         # The lost job-done may have carried an error (a vLLM listener restart) after a part
         # of the stream: then what was posted is a prefix.
-        lossy = bool(stream.lost) or refused or windows.hit(record, "vllm")
+        lenient = lenient or windows.hit(record, "vllm")
         if expect.events is not None:
-            _check_stream_events(record, plan, lossy, tally)
-        elif not (record.outputs == [] and lossy) and not (
+            _check_stream_events(record, plan, lenient, tally)
+        elif not (record.outputs == [] and lenient) and not (
                 len(record.outputs) == 1 and expect.check_output is not None
                 and expect.check_output(record.outputs[0])):
             tally.problem(record, plan, f"stream POSTs {str(record.outputs)[:300]}")
@@ -476,7 +534,7 @@ def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally
         if (why := _error_ok(error, expect)) is not None:
             tally.problem(record, plan, why)
         elif expect.events:
-            _check_stream_events(record, plan, bool(stream.lost) or refused, tally)
+            _check_stream_events(record, plan, lenient, tally)
         elif record.outputs:
             tally.problem(record, plan, "stream POSTs for an error before any byte")
         return
@@ -494,8 +552,8 @@ def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally
     elif len(aggregate) != 1 or expect.check_output is None or not expect.check_output(
             aggregate[0]):
         tally.problem(record, plan, "not vLLM's answer to this job")
-    _check_posts(record, plan, aggregate, stream, refused, tally)
-    clean = (plan.fault == "none" and not refused and not windows.hit(record, "vllm")
+    _count_restart(tally, extras, _check_posts(record, plan, aggregate, stream, restart, tally))
+    clean = (plan.fault == "none" and not restart and not windows.hit(record, "vllm")
              and all(action == "ok" for _, _, action in record.attempts))
     if clean and record.done_at is not None and record.taken_at is not None:
         added = record.done_at - record.taken_at - expect.backend_seconds
@@ -569,7 +627,7 @@ class Worker:
                      stats["task_kinds"], self.vllm_port, self.api_port)
 
     def idle(self) -> bool:
-        return last_stats(self.stats_path, newer_than=time.time())["jobs_in_flight"] == 0
+        return bool(last_stats(self.stats_path, newer_than=time.time())["jobs_in_flight"] == 0)
 
     def settle(self, timeout: float = 20.0) -> float:
         """Wait until idle and the proxy's pool has let go of its idle connections to vLLM
@@ -683,6 +741,20 @@ def wait_backend_idle(port: int, names: tuple[str, ...], timeout: float) -> floa
         time.sleep(0.25)
 
 
+def send_failures(log: str) -> dict[str, list[str]]:
+    """Job id -> the kinds ("refused", "closed", "5xx", "other") of each failed send the SDK
+    logged for it (``ERROR | <job> | Failed to return job results. | <error>``)."""
+    found: dict[str, list[str]] = {}
+    for line in log.splitlines():
+        if POST_FAILED not in line:
+            continue
+        fields = [field.strip() for field in line.split("|")]
+        error = fields[-1]
+        kind = next((kind for kind, pattern in _SEND_ERRORS if pattern.search(error)), "other")
+        found.setdefault(fields[1] if len(fields) > 3 else "?", []).append(kind)
+    return found
+
+
 def log_counts(log: str) -> Counter[str]:
     """What the worker's log says that the soak counts."""
     counts: Counter[str] = Counter()
@@ -693,6 +765,14 @@ def log_counts(log: str) -> Counter[str]:
             if marker in line:
                 counts[marker] += 1
     return counts
+
+
+@contextlib.contextmanager
+def soak_job_api() -> Iterator[FakeJobApi]:
+    """The loopback job API, holding job-stop polls as the platform does (:data:`STOP_HOLD`)."""
+    with FakeJobApi() as api:
+        api.stop_hold = STOP_HOLD
+        yield api
 
 
 @contextlib.contextmanager
@@ -718,7 +798,7 @@ def run_fake_soak(tmp: Path, *, jobs: int, warmup: int, concurrency: int = 30, s
     started = time.monotonic()
     mix = FakeMix(seed, request_timeout, refusal_weight=refusal_weight)
     windows = Windows()
-    with FakeJobApi() as api, fake_worker(tmp, api, concurrency, request_timeout) as worker:
+    with soak_job_api() as api, fake_worker(tmp, api, concurrency, request_timeout) as worker:
         def restart() -> None:
             vllm_listener_restart(worker.vllm_port, 0.3, windows)
 
@@ -741,10 +821,16 @@ def run_fake_soak(tmp: Path, *, jobs: int, warmup: int, concurrency: int = 30, s
                                    request_timeout + 5)
         windows.api = list(api.refusals)
         records = [api.jobs[f"job-{i + 1}"] for i in range(len(plans))]
-        counts = log_counts(worker.process.log())
+        log = worker.process.log()
+    counts, failures = log_counts(log), send_failures(log)
     tally = Tally()
+    tally.send_errors.update(kind for kinds in failures.values() for kind in kinds)
     for plan, record in zip(plans, records, strict=True):
-        check_fake_job(plan, record, windows, tally)
+        before = tally.send_failures_explained()
+        check_fake_job(plan, record, windows, tally, failures.get(record.id))
+        if tally.send_failures_explained() - before != len(failures.get(record.id, [])):
+            tally.problem(record, plan, f"logged send failures {failures.get(record.id)} "
+                                        "are not the losses and false alarms counted")
     return SoakRun("fake vLLM", plans, records, tally, baseline, final, tenths, windows,
                    counts, active, time.monotonic() - started)
 
@@ -901,7 +987,7 @@ def run_real_soak(tmp: Path, env: dict[str, str], *, jobs: int, warmup: int,
     mix = RealMix(seed, env["MODEL_NAME"])
     port = free_port()
     stats = tmp / "stats.jsonl"
-    with FakeJobApi() as api, RecordingRelay(port) as relay:
+    with soak_job_api() as api, RecordingRelay(port) as relay:
         api.health_url = f"http://127.0.0.1:{port}/health"
         process = WorkerProcess(
             [sys.executable, "-m", "worker"],
@@ -979,22 +1065,20 @@ def figures(run: SoakRun) -> str:
     counter("stream POSTs lost, by cause", tally.lost_chunks)
     counter("POSTs the SDK logged as failed though the API had them", tally.false_alarms)
     counter("POSTs that landed on an SDK retry", tally.recovered)
+    counter("sends the SDK gave up on, by error", tally.send_errors)
     counter("cancellations", tally.cancels)
     counter("worker log", run.log_counts)
     lines.append(f"requests still running in vLLM after the run: {run.backend_active_after:g}")
     lines.append(f"problems: {len(tally.problems)}")
     lines.extend(f"  PROBLEM {problem}" for problem in tally.problems[:20])
-    lines.append(POINT_HEADER)
-    lines.extend(point.row() for point in [run.baseline, *(t.point for t in run.tenths),
-                                           run.final])
-    first, last = run.tenths[0], run.tenths[-1]
-    for tenth in (first, last):
-        p50, p99, count = latency(run, tenth.phase)
-        lines.append(f"tenth {tenth.phase:>2}: worker CPU {tenth.cpu_ms_per_job:.2f} ms/job, "
-                     f"added latency p50 {p50:.1f} ms p99 {p99:.1f} ms ({count} clean jobs), "
-                     f"{tenth.jobs / tenth.seconds:.1f} jobs/s")
+    lines.append(f"{POINT_HEADER}  {'CPU ms/job':>10} {'p50 ms':>7} {'p99 ms':>7} {'jobs/s':>6}")
+    lines.append(run.baseline.row())
+    for tenth in run.tenths:
+        p50, p99, _ = latency(run, tenth.phase)
+        lines.append(f"{tenth.point.row()}  {tenth.cpu_ms_per_job:10.2f} {p50:7.1f} {p99:7.1f} "
+                     f"{tenth.jobs / tenth.seconds:6.1f}")
+    lines.append(run.final.row())
+    lines.append("(after the warm-up, after each tenth, idle after the run; CPU is the worker's "
+                 "own; latency is what the worker and the SDK's loop add to vLLM's time, p50/p99 "
+                 "of the clean jobs of the tenth)")
     return "\n".join(lines)
-
-
-def mean_cpu_ms(tenths: list[Tenth]) -> float:
-    return statistics.fmean(t.cpu_ms_per_job for t in tenths)

@@ -59,7 +59,8 @@ async def test_the_session_is_the_sdks_but_for_its_connector() -> None:
         assert ours.timeout == sdks.timeout
         assert isinstance(ours.connector, ReconnectingConnector)
         assert type(sdks.connector) is aiohttp.TCPConnector
-        assert ours.connector.limit == sdks.connector.limit == 0  # type: ignore[union-attr]
+        assert sdks.connector is not None
+        assert ours.connector.limit == sdks.connector.limit == 0
     finally:
         await ours.close()
         await sdks.close()
