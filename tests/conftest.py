@@ -8,12 +8,10 @@ missing they fail rather than skip, so a CI run can never pass without them.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import importlib.util
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Generator, Iterator
@@ -24,10 +22,11 @@ from typing import Protocol
 import pytest
 
 from tests.fake_job_api import FakeJobApi
+from tests.tiny_model import build_tiny_model, scratch_dirs
+from tests.tiny_model import tiny_env as tiny_env_of
 from tests.worker_process import WorkerProcess, error_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / ".cache"
 
 
 # Variables through which a machine's own caches and credentials would reach the tests.
@@ -154,16 +153,7 @@ def vllm_python(vllm_executable: str) -> str:
 def tiny_model(vllm_python: str) -> Path:
     """The tiny random Llama (and its LoRA adapter, ``lora/``), built once per version of
     its script and cached."""
-    script = ROOT / "scripts" / "make_tiny_model.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
-    out = CACHE / f"tiny-model-{digest}"
-    if not (out / "config.json").exists():
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([vllm_python, str(script), str(tmp), "--lora", str(tmp / "lora")],
-                       check=True, timeout=600)
-        tmp.rename(out)
-    return out
+    return build_tiny_model(vllm_python)
 
 
 @pytest.fixture(scope="session")
@@ -175,10 +165,7 @@ def tiny_lora(tiny_model: Path) -> Path:
 @pytest.fixture(scope="session")
 def vllm_scratch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Writable folders for vLLM (TMPDIR and its cache), shared by the session."""
-    base = tmp_path_factory.mktemp("vllm")
-    (base / "tmp").mkdir()
-    (base / "cache").mkdir()
-    return {"TMPDIR": str(base / "tmp"), "VLLM_CACHE_ROOT": str(base / "cache")}
+    return scratch_dirs(tmp_path_factory.mktemp("vllm"))
 
 
 @pytest.fixture(scope="session")
@@ -186,20 +173,7 @@ def tiny_env(
     vllm_executable: str, tiny_model: Path, vllm_scratch: dict[str, str]
 ) -> dict[str, str]:
     """The environment of a worker serving the tiny model on the CPU vLLM (no port yet)."""
-    return {
-        **vllm_scratch,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_EXECUTABLE": vllm_executable,
-        "MODEL_NAME": str(tiny_model),
-        "MAX_MODEL_LEN": "512",
-        "ENFORCE_EAGER": "true",
-        "KV_CACHE_MEMORY_BYTES": "64M",
-        # float32: the most portable of vLLM's CPU kernels. bf16 picks ISA-specific ones
-        # (AMX, AVX512-BF16) that differ from one CI machine to the next.
-        "DTYPE": "float32",
-        "VLLM_STARTUP_TIMEOUT": "300",
-        "MAX_CONCURRENCY": "8",
-    }
+    return tiny_env_of(vllm_executable, tiny_model, vllm_scratch)
 
 
 @pytest.fixture

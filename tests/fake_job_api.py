@@ -14,12 +14,32 @@ get. Routes (as runpod 1.12's rp_job.py / rp_http.py / rp_scale.py call them):
 
 Takes and stop polls are held open briefly when there is nothing to give, like the real
 long-poll, so the SDK does not spin.
+
+Faults, for the soak (:meth:`FakeJobApi.plan`): each job can carry actions for its job-take,
+for given attempts of its job-stream POSTs and of its job-done POST (attempts are counted
+per job and kind, retries included, so ``{0: "503", 1: "503"}`` makes the first POST land on
+its third attempt). An action is one of
+
+* ``"500"``, ``"503"``, ... — answer with that status, record nothing;
+* ``"stall:S"`` — wait S seconds, then go on normally;
+* ``"reset"`` — close the connection with a TCP reset (SO_LINGER 0) before doing anything:
+  nothing is recorded, a take hands out no job;
+* ``"reset-after"`` — do the work (record the POST, hand out the taken jobs), then reset
+  instead of answering: the platform has it, the worker cannot know;
+* ``"refuse:S"`` — answer normally, then restart the listener: for S seconds every new
+  connection is refused, idle keep-alive connections are closed, requests in progress end
+  with ``Connection: close`` (:meth:`FakeJobApi.refuse_connections`).
+
+What each attempt met is kept in :attr:`JobRecord.attempts`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -41,6 +61,10 @@ class JobRecord:
     done: Any = None  # parsed body of the job-done POST
     done_at: float | None = None
     done_query: dict[str, list[str]] = field(default_factory=dict)
+    # (kind, attempt, action) of every job-take, job-stream and job-done attempt; "ok" when
+    # no fault was planned for it.
+    attempts: list[tuple[str, int, str]] = field(default_factory=list)
+    lost_at_take: bool = False  # handed out by a take that was reset before its answer
 
     @property
     def outputs(self) -> list[Any]:
@@ -71,6 +95,20 @@ def peak_in_flight(records: list[JobRecord]) -> int:
     return peak
 
 
+@dataclass
+class JobFaults:
+    """The faults one job meets at the job API (see the module's docstring)."""
+
+    take: list[str] = field(default_factory=list)  # consumed by the takes it is first for
+    stream: dict[int, str] = field(default_factory=dict)  # job-stream attempt -> action
+    done: dict[int, str] = field(default_factory=dict)  # job-done attempt -> action
+    cancel_after_posts: int | None = None  # ask the worker to stop it after N stream posts
+
+
+def _action_seconds(action: str) -> float:
+    return float(action.split(":", 1)[1])
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # hundreds of concurrent jobs connect at once
@@ -90,12 +128,20 @@ class FakeJobApi:
         self.to_stop: list[str] = []
         self.take_requests: list[float] = []
         self.health_violations: list[str] = []
+        self.stop_hold: float | None = None  # how long a job-stop poll is held (None: hold)
         self.post_delay = 0.0  # seconds each job-stream/job-done POST takes
         self.refuse_posts = 0  # the next N POSTs answer 503 (the SDK retries)
+        self.faults: dict[str, JobFaults] = {}
+        self.refusals: list[tuple[float, float]] = []  # (start, end) of each listener outage
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
-        self._server = _QuietServer(("127.0.0.1", 0), self._make_handler())
+        self._handler = self._make_handler()
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler)
+        self._port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._connections: dict[socket.socket, bool] = {}  # open connection -> busy
+        self._down = False
+        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> FakeJobApi:
@@ -103,13 +149,51 @@ class FakeJobApi:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._closed = True
+            while self._down:  # a listener restart in progress
+                self._cond.wait()
         self._server.shutdown()
         self._server.server_close()
 
     @property
     def url(self) -> str:
-        port = self._server.server_address[1]
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{self._port}"
+
+    def refuse_connections(self, seconds: float) -> None:
+        """Restart the listener (in the background): refuse new connections for ``seconds``.
+
+        Idle keep-alive connections are closed at once and requests in progress end with
+        ``Connection: close``, as a server restarting gracefully does, so that the worker's
+        next request needs a new connection and meets the refusal.
+        """
+        with self._cond:
+            if self._down or self._closed:
+                return
+            self._down = True
+        threading.Thread(target=self._restart, args=(seconds,), daemon=True).start()
+
+    def _restart(self, seconds: float) -> None:
+        started = time.monotonic()
+        old = self._server
+        # shutdown(2) of a listening socket makes Linux refuse new connections at once.
+        with contextlib.suppress(OSError):
+            old.socket.shutdown(socket.SHUT_RDWR)
+        old.shutdown()
+        old.server_close()
+        with self._cond:
+            idle = [conn for conn, busy in self._connections.items() if not busy]
+        for conn in idle:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        time.sleep(seconds)
+        self._server = _QuietServer(("127.0.0.1", self._port), self._handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        with self._cond:
+            self._down = False
+            self.refusals.append((started, time.monotonic()))
+            self._cond.notify_all()
 
     def env(self, worker_id: str = "test-worker") -> dict[str, str]:
         base = self.url
@@ -125,9 +209,13 @@ class FakeJobApi:
         }
 
     # -- what tests do -----------------------------------------------------------------
-    def submit(self, job_input: Any, job_id: str | None = None) -> str:
+    def submit(
+        self, job_input: Any, job_id: str | None = None, faults: JobFaults | None = None
+    ) -> str:
         job_id = job_id or f"job-{next(self._ids)}"
         with self._cond:
+            if faults is not None:
+                self.faults[job_id] = faults
             self.jobs[job_id] = JobRecord(job_id, job_input, time.monotonic())
             self.queue.append(job_id)
             self._cond.notify_all()
@@ -186,7 +274,22 @@ class FakeJobApi:
                 f"job-take at {self.take_requests[0]:.3f} before vLLM was healthy"
             )
 
-    def _take(self, limit: int) -> list[dict[str, Any]]:
+    def _take_action(self) -> str | None:
+        """Wait like the long-poll for a job; the fault the job at the head of the queue has
+        for this take ("ok": none), or None when there is no job to give."""
+        deadline = time.monotonic() + self.hold
+        with self._cond:
+            while not self.queue and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            if not self.queue:
+                return None
+            head = self.jobs[self.queue[0]]
+            faults = self.faults.get(head.id)
+            action = faults.take.pop(0) if faults is not None and faults.take else "ok"
+            head.attempts.append(("job-take", 0, action))
+            return action
+
+    def _take(self, limit: int, *, lost: bool = False) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.hold
         with self._cond:
             while not self.queue and time.monotonic() < deadline:
@@ -195,12 +298,39 @@ class FakeJobApi:
             while self.queue and len(taken) < limit:
                 job = self.jobs[self.queue.pop(0)]
                 job.taken_at = time.monotonic()
+                job.lost_at_take = lost
                 taken.append({"id": job.id, "input": job.input})
             self._cond.notify_all()
             return taken
 
+    def _post_action(self, kind: str, job_id: str) -> str:
+        """The fault planned for this attempt of a job's job-stream or job-done POST."""
+        with self._cond:
+            job = self.jobs.get(job_id)
+            if job is None:
+                return "ok"
+            attempt = sum(1 for seen, _, _ in job.attempts if seen == kind)
+            faults = self.faults.get(job_id)
+            plan = (faults.stream if kind == "job-stream" else faults.done) if faults else {}
+            action = plan.get(attempt, "ok")
+            job.attempts.append((kind, attempt, action))
+            return action
+
+    def cancel_all(self, job_ids: list[str]) -> None:
+        with self._cond:
+            self.to_stop.extend(job_ids)
+            self._cond.notify_all()
+
+    def _untake(self, job_ids: list[str]) -> None:
+        """Put jobs whose hand-out did not reach the worker back at the head of the queue."""
+        with self._cond:
+            for job_id in job_ids:
+                self.jobs[job_id].taken_at = None
+            self.queue[:0] = job_ids
+            self._cond.notify_all()
+
     def _stops(self) -> list[str]:
-        deadline = time.monotonic() + self.hold
+        deadline = time.monotonic() + (self.hold if self.stop_hold is None else self.stop_hold)
         with self._cond:
             while not self.to_stop and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
@@ -215,9 +345,20 @@ class FakeJobApi:
             if kind == "job-stream":
                 job.stream.append(body)
                 job.stream_times.append(time.monotonic())
+                faults = self.faults.get(job_id)
+                if faults is not None and faults.cancel_after_posts == len(job.stream):
+                    self.to_stop.append(job_id)
             else:
                 job.done, job.done_at, job.done_query = body, time.monotonic(), query
             self._cond.notify_all()
+
+    def _set_busy(self, conn: socket.socket, busy: bool | None) -> None:
+        """Track open connections (None: closed) so that a restart can close the idle ones."""
+        with self._cond:
+            if busy is None:
+                self._connections.pop(conn, None)
+            else:
+                self._connections[conn] = busy
 
     def _make_handler(self) -> type[BaseHTTPRequestHandler]:
         api = self
@@ -231,14 +372,68 @@ class FakeJobApi:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-            def _reply(self, status: int, payload: Any = None) -> None:
+            def setup(self) -> None:
+                super().setup()
+                api._set_busy(self.connection, False)
+
+            def finish(self) -> None:
+                api._set_busy(self.connection, None)
+                with contextlib.suppress(OSError):
+                    super().finish()
+
+            def parse_request(self) -> bool:
+                api._set_busy(self.connection, True)
+                return super().parse_request()
+
+            def _reply(self, status: int, payload: Any = None) -> bool:
+                """Answer; False when the connection was gone (closed by a restart)."""
                 body = b"" if payload is None else json.dumps(payload).encode()
-                self.send_response(status)
-                if payload is not None:
-                    self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    if payload is not None:
+                        self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    if api._down:  # restarting: this connection ends with the answer
+                        self.send_header("Connection", "close")
+                        self.close_connection = True
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:
+                    self.close_connection = True
+                    return False
+                api._set_busy(self.connection, False)
+                return True
+
+            def _reset(self) -> None:
+                """Drop the connection with a TCP reset instead of answering."""
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                self.close_connection = True
+                self.connection.close()
+
+            def _fault_first(self, action: str) -> bool:
+                """Apply the part of ``action`` that comes before the work; True if the
+                request ends here (answered with an error or reset)."""
+                if action.startswith("stall:"):
+                    time.sleep(_action_seconds(action))
+                elif action == "reset":
+                    self._reset()
+                    return True
+                elif action.isdigit():
+                    self._reply(int(action), {"error": "injected fault"})
+                    return True
+                return False
+
+            def _answer(self, action: str, status: int, payload: Any = None) -> bool:
+                """Answer after the work: or reset, or answer and restart the listener;
+                False when the answer did not go out (planned or not)."""
+                if action == "reset-after":
+                    self._reset()
+                    return False
+                if action.startswith("refuse:"):
+                    api.refuse_connections(_action_seconds(action))
+                return self._reply(status, payload)
 
             def do_GET(self) -> None:
                 parts = urlsplit(self.path)
@@ -248,16 +443,28 @@ class FakeJobApi:
                     with api._cond:
                         api.take_requests.append(time.monotonic())
                     api._check_health_on_first_take()
+                    action = api._take_action()
+                    if action is None:
+                        self._reply(204)
+                        return
+                    if self._fault_first(action):
+                        return
                     batch = segments[0] == "job-take-batch"
                     limit = int(query.get("batch_size", ["1"])[0]) if batch else 1
-                    jobs = api._take(limit)
+                    jobs = api._take(limit, lost=action == "reset-after")
                     if not jobs:
-                        self._reply(204)
-                    else:
-                        self._reply(200, jobs if batch else jobs[0])
+                        self._answer(action, 204)
+                    elif not self._answer(action, 200, jobs if batch else jobs[0]) and (
+                            action != "reset-after"):
+                        # The connection was gone before the answer (a listener restart
+                        # closed it): the jobs were not handed out, as the platform notices.
+                        api._untake([job["id"] for job in jobs])
                 elif segments[0] == "job-stop":
                     stops = api._stops()
-                    self._reply(200, {"jobsToStop": stops}) if stops else self._reply(204)
+                    delivered = self._reply(200, {"jobsToStop": stops}) if stops else (
+                        self._reply(204))
+                    if not delivered:  # the platform signals a stop until the job stops
+                        api.cancel_all(stops)
                 else:
                     self._reply(200, {})
 
@@ -275,12 +482,17 @@ class FakeJobApi:
                 if refuse:
                     self._reply(503, {"error": "try again"})
                     return
-                if segments[0] in ("job-stream", "job-done") and len(segments) >= 3:
-                    try:
-                        body = json.loads(raw.decode("utf-8"))
-                    except ValueError:
-                        body = {"unparseable": raw.decode("utf-8", errors="replace")}
-                    api._record_post(segments[0], segments[2], body, parse_qs(parts.query))
-                self._reply(200, {})
+                if segments[0] not in ("job-stream", "job-done") or len(segments) < 3:
+                    self._reply(200, {})
+                    return
+                action = api._post_action(segments[0], segments[2])
+                if self._fault_first(action):
+                    return
+                try:
+                    body = json.loads(raw.decode("utf-8"))
+                except ValueError:
+                    body = {"unparseable": raw.decode("utf-8", errors="replace")}
+                api._record_post(segments[0], segments[2], body, parse_qs(parts.query))
+                self._answer(action, 200, {})
 
         return Handler

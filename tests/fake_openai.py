@@ -5,13 +5,22 @@ streams, error statuses. Runs an aiohttp server in its own thread and loop.
 A request body may carry ``"fake": {...}`` to steer the answer:
 ``events`` (stream length), ``delay`` (s between events), ``split`` (write each event in
 two pieces cut inside a multi-byte character), ``status`` (answer with this HTTP error),
-``stall`` (s to wait before answering).
+``stall`` (s to wait before answering; with ``stall_after`` N, after the Nth event of a
+stream instead), ``reset`` (close the connection with a TCP reset instead of answering),
+``reset_after`` N (a stream: reset after N events).
+
+Faults of the server itself, for the soak: ``POST /fake/listener {"down": S}`` restarts the
+listener: for S seconds new connections are refused, idle keep-alive connections are
+closed at once and those serving a request after it. ``/metrics`` counts the requests and
+streams in progress (``fake_active_requests``, ``fake_active_streams``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import threading
 from typing import Any
 
@@ -40,11 +49,14 @@ class FakeOpenAI:
         self.model = model
         self.requests: list[dict[str, Any]] = []
         self.active_streams = 0
+        self.active_requests = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._runner: web.AppRunner | None = None
-        self.port = 0
+        self._host = "127.0.0.1"
+        self.port = 0  # 0 until started: then the port it listens on
+        self._restarts: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> FakeOpenAI:
@@ -76,9 +88,17 @@ class FakeOpenAI:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_route("*", "/echo", self._echo)
+        app.router.add_post("/fake/listener", self._restart_listener)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await self._listen()
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        # uvicorn's (vLLM's) listen backlog; aiohttp's default of 128 would drop the SYNs of
+        # a burst of new connections (a 1 s retransmit each) and that is not vLLM's behaviour.
+        site = web.TCPSite(self._runner, self._host, self.port, reuse_address=True,
+                           backlog=2048)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
@@ -94,20 +114,56 @@ class FakeOpenAI:
         return web.json_response({"object": "list", "data": [{"id": self.model}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=f"fake_active_streams {self.active_streams}\n",
+        return web.Response(text=f"fake_active_streams {self.active_streams}\n"
+                                 f"fake_active_requests {self.active_requests}\n",
                             content_type="text/plain")
 
+    async def _restart_listener(self, request: web.Request) -> web.Response:
+        down = float((await request.json())["down"])
+        task = asyncio.get_running_loop().create_task(self._restart(down))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+        return web.json_response({"down": down})
+
+    async def _restart(self, down: float) -> None:
+        assert self._runner is not None and self._runner.server is not None
+        for site in list(self._runner.sites):
+            await site.stop()  # closes the listening socket: new connections are refused
+        for handler in self._runner.server.connections:
+            # Idle (waiting for a request: aiohttp's private _waiter): close it now. Busy:
+            # close it after its response. (pre_shutdown() alone would leave an idle
+            # connection open with nobody reading it: aiohttp's shutdown() closes those.)
+            if handler._waiter is not None:
+                handler.force_close()
+            else:
+                handler.close()
+        await asyncio.sleep(down)
+        await self._listen()
+
     async def _echo(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        return web.json_response({"method": request.method, "path": request.path_qs,
-                                  "body": body.decode() if body else None})
+        self.active_requests += 1
+        try:
+            body = await request.read()
+            return web.json_response({"method": request.method, "path": request.path_qs,
+                                      "body": body.decode() if body else None})
+        finally:
+            self.active_requests -= 1
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        self.active_requests += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self.active_requests -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
         fake = body.get("fake") or {}
-        if fake.get("stall"):
+        if fake.get("stall") and fake.get("stall_after") is None:
             await asyncio.sleep(fake["stall"])
+        if fake.get("reset"):
+            return _reset(request)
         if fake.get("status"):
             status = int(fake["status"])
             error = {"message": f"fake error {status}", "type": "BadRequestError",
@@ -122,10 +178,15 @@ class FakeOpenAI:
                 "echo": body,
             })
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
         self.active_streams += 1
         try:
+            await response.prepare(request)
             for index in range(int(fake.get("events", 8))):
+                if index == fake.get("stall_after"):
+                    await asyncio.sleep(fake["stall"])
+                if index == fake.get("reset_after"):
+                    await asyncio.sleep(0.05)  # what was written reaches the client first
+                    return _reset(request, response)
                 event = sse_event(index, model)
                 if fake.get("split"):
                     cut = event.index("中".encode()) + 1  # inside a 3-byte character
@@ -138,6 +199,19 @@ class FakeOpenAI:
                     await asyncio.sleep(fake["delay"])
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away: like vLLM, abort the request (quietly)
         finally:
             self.active_streams -= 1
         return response
+
+
+def _reset(request: web.Request, response: web.StreamResponse | None = None) -> web.StreamResponse:
+    """Close the request's connection with a TCP reset (SO_LINGER 0), as a crash would."""
+    transport = request.transport
+    if transport is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+    return response if response is not None else web.Response()

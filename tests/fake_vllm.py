@@ -34,8 +34,6 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from aiohttp import web
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script by the worker, not imported by pytest
     sys.path.insert(0, str(ROOT))
@@ -50,23 +48,7 @@ class ForegroundFakeOpenAI(FakeOpenAI):
     def __init__(self, model: str, host: str, port: int) -> None:
         super().__init__(model)
         self._host = host
-        self._bind_port = port
-
-    async def _start(self) -> None:
-        # The parent builds the app and binds an ephemeral port; serve the same runner on
-        # the address vLLM would use and drop the ephemeral site, so the routes are the
-        # parent's own and stay in step with it.
-        await super()._start()
-        assert self._runner is not None
-        ephemeral = list(self._runner.sites)
-        # uvicorn's (vLLM's) listen backlog; aiohttp's default of 128 would drop the SYNs of
-        # a burst of new connections (a 1 s retransmit each) and that is not vLLM's behaviour.
-        site = web.TCPSite(self._runner, self._host, self._bind_port, reuse_address=True,
-                           backlog=2048)
-        await site.start()
-        for other in ephemeral:
-            await other.stop()
-        self.port = self._bind_port
+        self.port = port
 
     def serve_forever(self) -> None:
         """Serve until SIGTERM or SIGINT, then close the listener and return."""

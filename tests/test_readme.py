@@ -35,6 +35,7 @@ GEN_README = ROOT / "scripts" / "gen_readme.py"
 EXAMPLES_TEST = "tests/test_examples.py"
 IMAGE_TEST = "tests/test_image.py"
 README_TEST = "tests/test_readme.py"
+SOAK_TEST = "tests/test_soak.py"
 
 #: Every command of the README below its first block → the test that exercises it. The first
 #: block's two: tests/test_run_local.py runs scripts/run_local.sh, .ci/run runs scripts/test.sh.
@@ -86,6 +87,9 @@ COVERAGE: dict[str, str] = {
     "{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
         "tests/test_main.py::test_test_input_prints_the_result_of_a_job",
     "python scripts/gen_readme.py --check": f"{README_TEST}::test_gen_readme_check_passes",
+    ".venv/bin/python scripts/soak.py":
+        f"{SOAK_TEST}::test_the_soak_script_prints_and_writes_the_figures",
+    ".venv/bin/python -m pytest -m soak": f"{SOAK_TEST}::test_soak_against_the_stand_in_vllm",
 }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import io
 import sys
 import textwrap
@@ -96,3 +98,36 @@ def test_timeout_when_never_healthy() -> None:
         assert readiness is Readiness.TIMED_OUT
     finally:
         process.stop(grace=1.0)
+
+
+def test_an_abandoned_wait_for_the_exit_holds_nothing() -> None:
+    # The proxy asks "did vLLM die?" on every transport error (Server._vllm_failure): it
+    # waits 0.5 s for the exit, then gives up. Each abandoned wait must let go of its
+    # future: a worker that meets thousands of resets over days would otherwise keep them
+    # all (found by the soak's reading of the job path, tests/test_soak.py).
+    process = VllmProcess([sys.executable, "-c", "import time; time.sleep(60)"], {},
+                          echo=io.StringIO())
+    process.start()
+
+    def futures_alive() -> int:
+        gc.collect()
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, asyncio.Future))
+
+    async def abandon(times: int) -> None:
+        for _ in range(times):
+            exited = asyncio.ensure_future(process.wait_exit())
+            await asyncio.wait({exited}, timeout=0.001)
+            exited.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await exited
+
+    try:
+        before = futures_alive()
+        asyncio.run(abandon(200))
+        held = futures_alive() - before
+        exited_at = time.monotonic()
+        process.stop(grace=1.0)
+        assert process.returncode is not None and time.monotonic() - exited_at < 10
+    finally:
+        process.stop(grace=1.0)
+    assert held < 10, f"{held} futures still held after 200 abandoned waits"

@@ -5,7 +5,8 @@ jobs after its long-poll returns (up to 90 s). The worker needs more: stop takin
 once on SIGTERM or when vLLM dies, drain in-flight jobs for a bounded time, then exit with
 a code of its choosing. So this module drives the SDK's :class:`JobScaler` coroutines
 (job-take, job-run, stop-signal polling) itself; taking, running, streaming, posting and
-cancelling jobs all stay the SDK's code.
+cancelling jobs all stay the SDK's code; only its HTTP session is the worker's own
+(:mod:`worker.jobapi`: the SDK's, plus a bounded retry of connections that could not open).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from worker import stats
+from worker.jobapi import job_api_session
 
 logger = logging.getLogger("worker.jobloop")
 
@@ -27,10 +31,13 @@ Handler = Callable[[Job], AsyncIterator[Any]]
 class JobLoop:
     """The SDK's job-taking loop for one handler, until :meth:`stop` and a drain."""
 
-    def __init__(self, handler: Handler, concurrency: int) -> None:
+    def __init__(
+        self, handler: Handler, concurrency: int, stats_options: stats.StatsOptions | None = None
+    ) -> None:
         from runpod.serverless.modules import rp_scale
 
         self._concurrency = concurrency
+        self._stats = stats_options or stats.StatsOptions()
         self._scaler = rp_scale.JobScaler(
             {
                 "handler": handler,
@@ -68,10 +75,10 @@ class JobLoop:
 
     async def run(self) -> bool:
         """Take and run jobs until :meth:`stop`; return True when the drain completed."""
-        from runpod.http_client import AsyncClientSession
-
         scaler = self._scaler
-        async with AsyncClientSession() as session:
+        async with job_api_session() as session, stats.reporting(
+            self._stats, lambda: self.jobs_in_flight
+        ):
             take = asyncio.create_task(scaler.get_jobs(session), name="runpod-job-take")
             run = asyncio.create_task(scaler.run_jobs(session), name="runpod-job-run")
             stops = asyncio.create_task(

@@ -31,6 +31,7 @@ from worker.handler import BackendFailureProbe, Proxy
 from worker.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
 from worker.settings import Settings
 from worker.startup import StartOutcome, Startup
+from worker.stats import StatsOptions
 
 logger = logging.getLogger("worker")
 
@@ -38,8 +39,8 @@ _DEATH_DRAIN_TIMEOUT = 1.5
 
 ProxyFactory = Callable[[str | None, BackendFailureProbe], Proxy]
 """A proxy for the served model's default name, with the probe that tells vLLM's death."""
-JobLoopFactory = Callable[[Handler, int], JobLoop]
-"""A job loop for a handler at a concurrency."""
+JobLoopFactory = Callable[[Handler, int, StatsOptions], JobLoop]
+"""A job loop for a handler at a concurrency, with its stats hook."""
 
 
 class QueueWorker:
@@ -186,8 +187,9 @@ class QueueWorker:
         loop = asyncio.get_running_loop()
         proxy = self._proxy(outcome)
         handler = self._handler(outcome, proxy)
+        stats = StatsOptions(self.settings.stats_file, self.settings.stats_interval)
         jobs = self._job_loop_factory(self._noting_first_job(handler),
-                                      self.settings.max_concurrency)
+                                      self.settings.max_concurrency, stats)
         self._jobs = jobs
 
         def on_signal(sig: signal.Signals) -> None:

@@ -48,6 +48,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("must be a finite number above 0")
+    return value
+
+
 def _growth_factor(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 1):
@@ -148,6 +155,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKER_MODE", "mode", "", _mode,
             "serverless, lb, http or local; when unset, serverless on a queue endpoint (Runpod's "
             "job environment is present), else http. Set lb on a load-balancing endpoint."),
+    Setting("WORKER_STATS_FILE", "stats_file", "", _text,
+            "Off when unset. A file the job loop appends its live asyncio tasks, Python memory "
+            "blocks, threads and jobs in flight to, one JSON line a period (for soak runs)."),
+    Setting("WORKER_STATS_INTERVAL", "stats_interval", 1.0, _positive_float,
+            "Seconds between two lines of WORKER_STATS_FILE."),
     Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
             "Path of the JSON catalog of `vllm serve` flags (written at image build)."),
     Setting("BAKED_MODEL_FILE", "baked_model_file", "/local_model_args.json", _text,
@@ -187,6 +199,8 @@ class Settings:
     volume_cache_min_free_gib: float = 1.0
     log_level: str = "INFO"
     mode: str = ""
+    stats_file: str = ""
+    stats_interval: float = 1.0
     flag_catalog: str = ""
     baked_model_file: str = "/local_model_args.json"
     queue: bool = False

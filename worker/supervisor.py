@@ -187,7 +187,11 @@ class VllmProcess:
                 loop.call_soon_threadsafe(settle, code)
 
         self.on_exit(resolve)
-        return await future
+        try:
+            return await future
+        finally:  # an abandoned wait (the proxy gives up after 0.5 s) must not stay queued
+            with self._lock, contextlib.suppress(ValueError):
+                self._exit_callbacks.remove(resolve)
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after ``grace`` seconds.

@@ -1,0 +1,114 @@
+"""The worker's session to the job API (worker/jobapi.py), through the SDK's own sending.
+
+``runpod.serverless.modules.rp_http._handle_result`` is what the SDK's job loop calls for
+every job-stream and job-done POST; these tests call it with the worker's session and with
+the SDK's own, against the loopback job API: a connection that cannot open is retried (the
+request never left), a request that was sent is never repeated.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+from runpod.http_client import AsyncClientSession
+from runpod.serverless.modules import rp_http
+
+from tests.fake_job_api import FakeJobApi, JobFaults
+from worker.jobapi import CONNECT_DELAYS, ReconnectingConnector, job_api_session
+
+
+@pytest.fixture
+def api() -> Iterator[FakeJobApi]:
+    with FakeJobApi() as job_api:
+        yield job_api
+
+
+def done_url(api: FakeJobApi) -> str:
+    return f"{api.url}/job-done/test-worker/$ID?gpu=cpu"
+
+
+async def send_done(session: aiohttp.ClientSession, api: FakeJobApi, job_id: str) -> None:
+    """The SDK's own send of a job-done (it logs and swallows a failure)."""
+    await rp_http._handle_result(session, {"output": ["the result"]}, {"id": job_id},
+                                 done_url(api), "Results sent.", is_stream=True)
+
+
+def refuse_now(api: FakeJobApi, seconds: float) -> None:
+    """Restart the API's listener and return once connections are refused."""
+    api.refuse_connections(seconds)
+    host, port = api.url.rsplit("/", 1)[1].split(":")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except ConnectionRefusedError:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the job API never refused")
+
+
+async def test_the_session_is_the_sdks_but_for_its_connector() -> None:
+    ours, sdks = job_api_session(), AsyncClientSession()
+    try:
+        assert dict(ours.headers) == dict(sdks.headers)
+        assert ours.timeout == sdks.timeout
+        assert isinstance(ours.connector, ReconnectingConnector)
+        assert type(sdks.connector) is aiohttp.TCPConnector
+        assert sdks.connector is not None
+        assert ours.connector.limit == sdks.connector.limit == 0
+    finally:
+        await ours.close()
+        await sdks.close()
+
+
+async def test_a_job_done_to_a_refusing_job_api_lands_once_it_is_back(
+    api: FakeJobApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = api.submit({"prompt": "x"})
+    refuse_now(api, 1.0)
+    caplog.set_level(logging.WARNING, logger="worker.jobapi")
+    started = time.monotonic()
+    async with job_api_session() as session:
+        await send_done(session, api, job)
+    assert api.jobs[job].done == {"output": ["the result"]}
+    assert api.jobs[job].attempts == [("job-done", 0, "ok")]  # sent once, when it could be
+    assert 0.5 < time.monotonic() - started < sum(CONNECT_DELAYS)
+    assert "job API connect failed" in caplog.text
+
+
+async def test_the_sdk_alone_loses_that_job_done(api: FakeJobApi) -> None:
+    # Pins runpod 1.12's behaviour that worker/jobapi.py exists for: its retry covers 5xx
+    # answers only, so a refused connection drops the result at once.
+    job = api.submit({"prompt": "x"})
+    refuse_now(api, 1.0)
+    async with AsyncClientSession() as session:
+        await send_done(session, api, job)
+    assert api.jobs[job].done is None and api.jobs[job].attempts == []
+
+
+async def test_a_post_that_was_sent_is_never_sent_again(api: FakeJobApi) -> None:
+    # The API records the job-done, then resets the connection instead of answering: the
+    # worker cannot tell this from a reset before receipt, so it must not repeat it.
+    job = api.submit({"prompt": "x"}, faults=JobFaults(done={0: "reset-after"}))
+    async with job_api_session() as session:
+        await send_done(session, api, job)
+    assert api.jobs[job].attempts == [("job-done", 0, "reset-after")]
+    assert api.jobs[job].done == {"output": ["the result"]}
+
+
+async def test_the_retry_is_bounded(api: FakeJobApi, caplog: pytest.LogCaptureFixture) -> None:
+    job = api.submit({"prompt": "x"})
+    refuse_now(api, sum(CONNECT_DELAYS) + 3)
+    caplog.set_level(logging.WARNING, logger="worker.jobapi")
+    started = time.monotonic()
+    async with job_api_session() as session:
+        await send_done(session, api, job)
+    waited = time.monotonic() - started
+    assert api.jobs[job].done is None
+    assert caplog.text.count("job API connect failed") == len(CONNECT_DELAYS)
+    assert sum(CONNECT_DELAYS) <= waited < sum(CONNECT_DELAYS) + 2

@@ -1,0 +1,109 @@
+"""The shortened soak: mixed traffic and faults through the REAL SDK loop, with nothing leaked
+and nothing lost but what the SDK's rules lose (tests/soak.py runs it; scripts/soak.py is the
+full soak, with 20,000 jobs).
+
+Each test checks every job against its plan (one documented end state, stream bytes equal to
+vLLM's), then holds the worker to bounds that separate a healthy worker from a leaking or
+drifting one; the figures themselves are printed. The first test runs against the stand-in
+vLLM, the second against the real CPU vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.soak import (
+    API_REFUSED,
+    POST_FAILED,
+    SoakRun,
+    figures,
+    latency,
+    run_fake_soak,
+    run_real_soak,
+)
+from tests.worker_process import ROOT, base_env
+
+pytestmark = pytest.mark.soak
+
+FAILURES_IN_LOG = ("Traceback", "Captured Handler Exception", "Uncaught exception",
+                   "Task exception was never retrieved", "Unclosed")
+#: Every fault the fake soak injects, as tests/soak.py names what the job API saw.
+FAULTS = (
+    *(f"{kind} {action}" for kind in ("job-stream", "job-done")
+      for action in ("503", "reset", "reset-after", "stall:1")),
+    "job-take 503", "job-take reset-after", "job-stream refuse:0.5",
+    "vLLM answers 500", "vLLM answers 404", "vLLM stalls before answering",
+    "vLLM stalls mid-stream", "vLLM resets mid-stream", "vLLM resets before answering",
+)
+
+
+def assert_nothing_leaked_nor_drifted(run: SoakRun) -> None:
+    """What both soaks hold the worker to once every job checked out."""
+    print(figures(run))
+    assert run.tally.problems == []
+    assert not any(run.log_counts.get(marker) for marker in FAILURES_IN_LOG), run.log_counts
+    assert run.backend_active_after == 0, "vLLM still runs requests of finished jobs"
+    base, final = run.baseline, run.final
+    first_half = max(p.rss_mb for p in [base, *(t.point for t in run.tenths[:5])])
+    # Idle after the run as idle after the warm-up: the same live tasks, no connection to
+    # vLLM, the same descriptors but the job API's pooled connections (which stay at the
+    # peak of concurrent requests, see tests/soak.py Worker.settle).
+    assert final.steady_tasks == base.steady_tasks, (base.task_kinds, final.task_kinds)
+    assert final.proc.to(final.vllm_port) == base.proc.to(base.vllm_port) == 0
+    other_fds = [p.proc.fds - p.proc.to(p.api_port) for p in (base, final)]
+    assert other_fds[1] == other_fds[0], other_fds
+    # Memory over the second half: RSS is a high-water mark (the allocator keeps what a burst
+    # of large streams took), so the second half must not raise it by more than a few MB;
+    # Python's own objects (blocks) return to where they were.
+    assert final.rss_mb - first_half < 3.0, (first_half, final.rss_mb)
+    assert final.blocks - base.blocks < 30 * len(run.plans), (base.blocks, final.blocks)
+    # The last tenth costs what the first did (a drift that doubles it fails).
+    first, last = run.tenths[0], run.tenths[-1]
+    assert last.cpu_ms_per_job < 1.5 * first.cpu_ms_per_job + 0.5
+    assert latency(run, last.phase)[0] < 1.5 * latency(run, first.phase)[0] + 30
+
+
+def test_soak_against_the_stand_in_vllm(tmp_path: Path) -> None:
+    run = run_fake_soak(tmp_path, jobs=1200, warmup=120, vllm_restarts_per_tenth=1,
+                        refusal_weight=0.5)
+    assert_nothing_leaked_nor_drifted(run)
+    tally = run.tally
+    missing = [fault for fault in FAULTS if not tally.faults.get(fault)]
+    assert missing == [], f"faults the soak did not inject: {missing}"
+    assert tally.cancels["cancelled"] >= 5 and tally.outcomes["result"] > 900
+    # The SDK's log agrees with the rules the checks applied: it logged a failure for each
+    # POST they count as lost, and for each that landed though its answer was reset.
+    # (The checks hold each job to it too: a job whose logged failures they cannot account
+    # for is a problem.)
+    assert run.log_counts[POST_FAILED] == tally.send_failures_explained()
+    # The job API refused connections, and the worker's reconnect (worker/jobapi.py) lost
+    # nothing to it (the SDK alone loses the POST: tests/test_jobapi.py).
+    assert run.log_counts["job API connect failed"] > 0
+    assert tally.send_errors["refused"] == 0
+    assert tally.lost_results[API_REFUSED] == tally.lost_chunks[API_REFUSED] == 0
+
+
+@pytest.mark.vllm
+def test_soak_against_the_real_vllm(tmp_path: Path, tiny_env: dict[str, str]) -> None:
+    run = run_real_soak(tmp_path, tiny_env, jobs=600, warmup=60)
+    assert_nothing_leaked_nor_drifted(run)
+    assert run.tally.cancels["cut by the cancel"] >= 10, run.tally.cancels
+    assert run.tally.outcomes["result"] > 400
+
+
+def test_the_soak_script_prints_and_writes_the_figures(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--part", "fake", "--jobs", "60",
+         "--warmup", "20", "--json", str(out)],
+        env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "== soak against the fake vLLM: 80 jobs (20 warm-up)" in done.stdout
+    [figures_of_run] = json.loads(out.read_text())
+    assert figures_of_run["jobs"] == 80 and figures_of_run["problems"] == []
+    assert len(figures_of_run["points"]) == 12  # idle, ten tenths, idle
