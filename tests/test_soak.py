@@ -17,15 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.soak import (
-    API_REFUSED,
-    POST_FAILED,
-    SoakRun,
-    figures,
-    latency,
-    run_fake_soak,
-    run_real_soak,
-)
+from tests.soak import SoakRun, figures, latency, run_fake_soak, run_real_soak
+from tests.soak_checks import API_REFUSED, POST_FAILED
 from tests.worker_process import ROOT, base_env
 
 pytestmark = pytest.mark.soak
