@@ -24,6 +24,8 @@ from worker.flags import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The environment a dump runs in (the worker passes its own).
+HOST = dict(os.environ)
 
 
 def _catalog_json(version: str = "9.9.9") -> dict[str, object]:
@@ -184,7 +186,7 @@ def test_catalog_from_parser() -> None:
 @pytest.mark.vllm
 def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
     out = tmp_path / "catalog.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}  # as the Dockerfile
     done = subprocess.run(
         [vllm_python, "-m", "worker.flags", "dump", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
@@ -236,7 +238,7 @@ def test_explicit_path_wins(tmp_path: Path) -> None:
     explicit = tmp_path / "baked.json"
     explicit.write_text(json.dumps(_catalog_json("1.2.3")))
     python = fake_python(tmp_path)
-    catalog, note = resolve_catalog(str(python), tmp_path / "cache", explicit, print)
+    catalog, note = resolve_catalog(str(python), tmp_path / "cache", explicit, print, env=HOST)
     assert catalog.version == "1.2.3"
     assert "VLLM_FLAG_CATALOG" in note and str(explicit) in note
     assert calls(tmp_path) == []
@@ -248,14 +250,14 @@ def test_broken_explicit_path_is_a_config_error(tmp_path: Path, content: str | N
     if content is not None:
         explicit.write_text(content)
     with pytest.raises(ConfigError) as info:
-        resolve_catalog(None, tmp_path / "cache", explicit, print)
+        resolve_catalog(None, tmp_path / "cache", explicit, print, env=HOST)
     assert "VLLM_FLAG_CATALOG=" in info.value.message and str(explicit) in info.value.message
 
 
 def test_dump_once_then_cache(tmp_path: Path) -> None:
     python = fake_python(tmp_path)
     cache = tmp_path / "cache"
-    catalog, note = resolve_catalog(str(python), cache, None, print)
+    catalog, note = resolve_catalog(str(python), cache, None, print, env=HOST)
     assert catalog.version == "9.9.9"
     assert note.startswith(f"dumped by {python}") and "cached in" in note
     assert calls(tmp_path) == ["-c", "-m"]
@@ -263,7 +265,7 @@ def test_dump_once_then_cache(tmp_path: Path) -> None:
     assert [p.name for p in cached] == ["vllm-flags-v1-9.9.9.json"]
     assert oct(cached[0].stat().st_mode & 0o777) == "0o644"
 
-    again, note = resolve_catalog(str(python), cache, None, print)
+    again, note = resolve_catalog(str(python), cache, None, print, env=HOST)
     assert again == catalog
     assert note.startswith("cached dump")
     assert calls(tmp_path) == ["-c", "-m", "-c"]  # no second dump
@@ -275,7 +277,7 @@ def test_a_corrupt_cache_is_dumped_again(tmp_path: Path) -> None:
     cache.mkdir()
     (cache / "vllm-flags-v1-9.9.9.json").write_text("{")
     logged: list[str] = []
-    catalog, note = resolve_catalog(str(python), cache, None, logged.append)
+    catalog, note = resolve_catalog(str(python), cache, None, logged.append, env=HOST)
     assert catalog.version == "9.9.9" and note.startswith("dumped by")
     assert "unusable" in logged[0]
     assert FlagCatalog.load(cache / "vllm-flags-v1-9.9.9.json") == catalog
@@ -288,7 +290,7 @@ def test_a_failing_dump_falls_back_to_the_packaged_catalog(
     monkeypatch.setattr(catalogs, "DUMP_TIMEOUT", 0.5)
     python = fake_python(tmp_path, dump=dump)
     logged: list[str] = []
-    catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, logged.append)
+    catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, logged.append, env=HOST)
     assert catalog.version == "0.32.0"
     assert note.startswith("packaged vllm-0.32.0.json")
     assert "installed vLLM is 9.9.9" in note
@@ -299,14 +301,15 @@ def test_a_failing_dump_falls_back_to_the_packaged_catalog(
 
 
 def test_no_interpreter_no_cache_uses_the_packaged_catalog(tmp_path: Path) -> None:
-    catalog, note = resolve_catalog(None, tmp_path / "cache", None, print)
+    catalog, note = resolve_catalog(None, tmp_path / "cache", None, print, env=HOST)
     assert catalog == FlagCatalog.load(packaged_catalog_path())
     assert note.startswith("packaged")
 
 
 def test_a_missing_interpreter_falls_back(tmp_path: Path) -> None:
     logged: list[str] = []
-    catalog, _ = resolve_catalog(str(tmp_path / "nope"), tmp_path / "cache", None, logged.append)
+    catalog, _ = resolve_catalog(str(tmp_path / "nope"), tmp_path / "cache", None, logged.append,
+                                 env=HOST)
     assert catalog.version == "0.32.0"
     assert logged and "could not dump" in logged[0]
 
@@ -316,7 +319,7 @@ def test_a_version_with_a_packaged_catalog_needs_no_dump(tmp_path: Path, version
     # The version comes from the package metadata (one short query, no vLLM import): a
     # newcomer's first start on the pinned vLLM launches it at once.
     python = fake_python(tmp_path, version=version)
-    catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, print)
+    catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, print, env=HOST)
     assert catalog == FlagCatalog.load(packaged_catalog_path())
     assert note == f"packaged vllm-0.32.0.json (matches the installed vLLM {version})"
     assert calls(tmp_path) == ["-c"]  # the version query only: no dump
@@ -328,6 +331,6 @@ def test_an_unwritable_cache_still_uses_the_dump(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     logged: list[str] = []
-    catalog, note = resolve_catalog(str(python), blocker / "cache", None, logged.append)
+    catalog, note = resolve_catalog(str(python), blocker / "cache", None, logged.append, env=HOST)
     assert catalog.version == "9.9.9" and note.startswith("dumped by")
     assert "could not cache" in logged[0]

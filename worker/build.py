@@ -52,7 +52,7 @@ def load_catalog(settings: Settings, env: Mapping[str, str]) -> FlagCatalog:
     cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "worker-vllm"
     explicit = Path(settings.flag_catalog) if settings.flag_catalog else None
     catalog, source = resolve_catalog(
-        vllm_python(settings.vllm_executable), cache, explicit, logger.info
+        vllm_python(settings.vllm_executable), cache, explicit, logger.info, env=env
     )
     logger.info("vLLM flag catalog: %s", source)
     return catalog

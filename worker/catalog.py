@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from worker.errors import ConfigError
@@ -72,25 +72,28 @@ def _cache_file(cache_dir: Path, version: str) -> Path:
     return cache_dir / f"vllm-flags-v{SCHEMA_VERSION}-{safe}.json"
 
 
-def _run_dump(vllm_python: str, out: Path) -> None:
+def _run_dump(vllm_python: str, out: Path, env: Mapping[str, str]) -> None:
     """Run ``python -m worker.flags dump --out OUT`` with vLLM's interpreter.
 
     vLLM may live in another environment (the base image's Python) than the worker, so the
     worker package is put on that interpreter's path — alone, through a symlink in a
     scratch folder: adding the folder that holds it could be our whole site-packages, whose
-    compiled modules would shadow that interpreter's own. Raises on any failure.
+    compiled modules would shadow that interpreter's own. ``env`` is the worker's
+    environment; the dump runs with ``VLLM_TARGET_DEVICE=cpu`` unless it names a device (the
+    parser does not depend on it, but vLLM infers one while building it and fails on a
+    machine without a GPU). Raises on any failure.
     """
     path_dir = out.parent / "pythonpath"
     path_dir.mkdir(exist_ok=True)
     (path_dir / "worker").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path_dir), env.get("PYTHONPATH")) if p)
+    python_path = os.pathsep.join(p for p in (str(path_dir), env.get("PYTHONPATH")) if p)
+    child = {"VLLM_TARGET_DEVICE": "cpu", **env, "PYTHONPATH": python_path}
     done = subprocess.run(
         [vllm_python, "-m", "worker.flags", "dump", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=DUMP_TIMEOUT,
-        env=env,
+        env=child,
         check=False,
     )
     if done.returncode != 0:
@@ -103,6 +106,8 @@ def resolve_catalog(
     cache_dir: Path,
     explicit_path: Path | None,
     log: Callable[[str], object],
+    *,
+    env: Mapping[str, str],
 ) -> tuple[FlagCatalog, str]:
     """The catalog of the vLLM that will run, and a short note of where it came from.
 
@@ -111,7 +116,8 @@ def resolve_catalog(
     vLLM); a cached dump for that version; a fresh dump by ``vllm_python`` (then cached); the
     packaged catalog of another version. Only a broken explicit path is an error: every other
     failure is logged through ``log`` and the next source is tried, because a slightly stale
-    catalog is far better than a worker that does not start.
+    catalog is far better than a worker that does not start. ``env``: the environment a dump
+    runs in.
     """
     if explicit_path is not None:
         try:
@@ -119,8 +125,8 @@ def resolve_catalog(
         except (OSError, ValueError) as exc:
             raise ConfigError(
                 f"VLLM_FLAG_CATALOG={str(explicit_path)!r} is not a readable flag catalog "
-                f"({exc}); write one with `python -m worker.flags dump --out "
-                f"/etc/vllm-flags.json` and set VLLM_FLAG_CATALOG=/etc/vllm-flags.json, "
+                f"({exc}); write one with `VLLM_TARGET_DEVICE=cpu python -m worker.flags dump "
+                f"--out /etc/vllm-flags.json` and set VLLM_FLAG_CATALOG=/etc/vllm-flags.json, "
                 "or unset it"
             ) from exc
 
@@ -140,7 +146,7 @@ def resolve_catalog(
 
     if vllm_python is not None:
         try:
-            catalog, where = _dump_and_cache(vllm_python, cache_dir, cached, log)
+            catalog, where = _dump_and_cache(vllm_python, cache_dir, cached, log, env)
             return catalog, f"dumped by {vllm_python} (vLLM {catalog.version}){where}"
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
             log(f"could not dump the flag catalog with {vllm_python}: {exc}")
@@ -154,7 +160,11 @@ def resolve_catalog(
 
 
 def _dump_and_cache(
-    vllm_python: str, cache_dir: Path, cached: Path | None, log: Callable[[str], object]
+    vllm_python: str,
+    cache_dir: Path,
+    cached: Path | None,
+    log: Callable[[str], object],
+    env: Mapping[str, str],
 ) -> tuple[FlagCatalog, str]:
     """Dump with ``vllm_python`` and keep the result in ``cached`` (when the version is known).
 
@@ -162,7 +172,7 @@ def _dump_and_cache(
     """
     with tempfile.TemporaryDirectory(prefix="vllm-flags-") as tmp:
         out = Path(tmp) / "catalog.json"
-        _run_dump(vllm_python, out)
+        _run_dump(vllm_python, out, env)
         catalog = FlagCatalog.load(out)
     target = cached or _cache_file(cache_dir, catalog.version)
     try:

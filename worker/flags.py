@@ -271,8 +271,8 @@ def dump_catalog() -> dict[str, Any]:
     # Imported by name, here only: the worker process never imports vLLM, and type checking
     # must not depend on vLLM being installed.
     # The parser does not depend on the device, but vLLM infers one while building it and
-    # fails on a machine without a GPU (an image build): the CPU platform always loads.
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # fails on a machine without a GPU (an image build): callers run the dump with
+    # VLLM_TARGET_DEVICE=cpu (the Dockerfile, worker.catalog), the platform that always loads.
     vllm: Any = importlib.import_module("vllm")
     serve_cli: Any = importlib.import_module("vllm.entrypoints.cli.serve")
     argparse_utils: Any = importlib.import_module("vllm.utils.argparse_utils")
