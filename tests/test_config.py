@@ -173,6 +173,14 @@ def test_a_baked_model_is_served_under_its_repo_id_unless_named(
     assert not [w for w in command.warnings if "SERVED_MODEL_NAME" in w]
 
 
+def test_a_served_name_the_user_set_beside_a_baked_one_is_the_users(tmp_path: Path) -> None:
+    baked = tmp_path / "local_model_args.json"
+    baked.write_text(BAKED)
+    command = launch_of({"SERVED_MODEL_NAME": "mine"}, None, baked_args_path=str(baked)).command
+    assert command.source("--served-model-name") == FlagSource("env", "SERVED_MODEL_NAME")
+    assert command.source("--model") == FlagSource("baked", "MODEL_NAME", str(baked))
+
+
 def test_a_baked_value_replacing_the_users_own_is_a_warning(tmp_path: Path) -> None:
     baked = tmp_path / "local_model_args.json"
     baked.write_text('{"MODEL_NAME": "/models/m", "QUANTIZATION": "awq"}')

@@ -157,16 +157,18 @@ def build_command(
 
     values = dict(env)
     baked: dict[str, str] = {}
+    overrides: dict[str, str] = {}  # the baked values that replace the user's
     if file_exists(baked_args_path):
         baked = read_baked_args(baked_args_path, read_text)
-        for name, value in baked.items():
+        overrides = {k: v for k, v in baked.items() if k not in BAKED_DEFAULTS}
+        for name, value in overrides.items():
             mine = env.get(name, "").strip()
-            if mine and mine != value and name not in BAKED_DEFAULTS:
+            if mine and mine != value:
                 warnings.append(
                     f"{name}={mine!r} is replaced by {value!r} from {baked_args_path} (the model "
                     "baked into the image); rebuild the image to change it"
                 )
-        values.update({k: v for k, v in baked.items() if k not in BAKED_DEFAULTS})
+        values.update(overrides)
         env_overrides["HF_HUB_OFFLINE"] = "1"
 
     config_path, config_flags = read_config_file(values, catalog, config_default, file_exists,
@@ -178,7 +180,7 @@ def build_command(
         for name, setting in config_flags.items():
             _record(flags, name, setting)
 
-    chosen = _choose(values, catalog, baked, baked_args_path, warnings)
+    chosen = _choose(values, catalog, overrides, baked_args_path, warnings)
     extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings)
     # A baked default (the repo id as the served name) applies where the user set nothing.
     for name, value in baked.items():
