@@ -137,6 +137,12 @@ class VllmCommand:
         setting = self.flags.get(flag)
         return setting.source if setting is not None else None
 
+    def setting_of(self, flag: str) -> str | None:
+        """How the user changes ``flag`` (:meth:`FlagSource.setting`); None when the user did
+        not set it."""
+        source = self.source(flag)
+        return source.setting(flag) if source is not None else None
+
     def values(self, flag: str) -> tuple[str, ...]:
         setting = self.flags.get(flag)
         return setting.values if setting is not None else ()

@@ -85,7 +85,7 @@ class LoadBalancerWorker:
         self._started = time.monotonic() if started_at is None else started_at
         self._error: WorkerError | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._in_flight: set[asyncio.Task[object]] = set()
+        self._in_flight = 0
         self._done = asyncio.Event()
         self._exit_code = 0
 
@@ -114,7 +114,7 @@ class LoadBalancerWorker:
         await self._done.wait()
         if self.state is State.STOPPING:
             logger.info("draining %d request(s) for up to %.0f s",
-                        len(self._in_flight), self.settings.drain_timeout)
+                        self._in_flight, self.settings.drain_timeout)
         for runner in runners:
             await runner.cleanup()
         if self._session is not None:
@@ -154,13 +154,7 @@ class LoadBalancerWorker:
             )
             process = self.startup.process
             if process is not None:
-                loop = asyncio.get_running_loop()
-
-                def on_exit(code: int) -> None:
-                    with contextlib.suppress(RuntimeError):  # the loop is closed at our stop
-                        loop.call_soon_threadsafe(self._on_vllm_death, code)
-
-                process.on_exit(on_exit)
+                process.on_exit_in(asyncio.get_running_loop(), self._on_vllm_death)
             self.state = State.READY
             logger.info("taking requests %.1f s after the worker started",
                         time.monotonic() - self._started)
@@ -185,9 +179,8 @@ class LoadBalancerWorker:
     def _on_vllm_death(self, code: int) -> None:
         if self.state is State.STOPPING:
             return
-        tail = self.startup.process.tail_text(1500) if self.startup.process else ""
-        self._error = BackendUnavailable(
-            f"vLLM exited with code {code} while serving. Last lines:\n{tail}")
+        assert self.startup.process is not None
+        self._error = BackendUnavailable(self.startup.process.death_reason(code))
         logger.error("%s", self._error.message)
         self.state = State.DEAD
         self._exit_code = 1
@@ -213,9 +206,7 @@ class LoadBalancerWorker:
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         if self.state is not State.READY or self._session is None:
             return self._refusal()
-        task = asyncio.current_task()
-        assert task is not None
-        self._in_flight.add(task)
+        self._in_flight += 1
         try:
             return await self._forward(request, self._session)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -223,7 +214,7 @@ class LoadBalancerWorker:
             return web.Response(status=error.code or 503, body=error_body(error),
                                 content_type="application/json")
         finally:
-            self._in_flight.discard(task)
+            self._in_flight -= 1
 
     async def _forward(
         self, request: web.Request, session: aiohttp.ClientSession
@@ -266,12 +257,9 @@ class LoadBalancerWorker:
                 f"vLLM sent nothing for {self.settings.request_timeout:g} s (REQUEST_TIMEOUT).",
                 code=504)
         process = self.startup.process
-        if self._error is None and process is not None:
-            with contextlib.suppress(TimeoutError):
-                code = await asyncio.wait_for(process.wait_exit(), 0.5)
-                return BackendUnavailable(
-                    f"vLLM exited with code {code} while serving. Last lines:\n"
-                    + process.tail_text(1500))
+        if (self._error is None and process is not None
+                and (code := await process.exited_within(0.5)) is not None):
+            return BackendUnavailable(process.death_reason(code))
         if self._error is not None:
             return self._error
         return BackendUnavailable(

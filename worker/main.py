@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if mode == "local" and not has_gpu():
         env = {**CPU_DEFAULTS, **env}
     startup = Startup(Builder(settings, env), masker=masker, settings_error=settings_error)
-    if mode == "lb" and test_job is None:
+    if mode == "lb":
         from worker.lb import LoadBalancerWorker
 
         return LoadBalancerWorker(settings, startup, started_at=started).run()

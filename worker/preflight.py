@@ -119,8 +119,7 @@ def _is_repo_id(text: str) -> bool:
 
 def _setting(command: VllmCommand, flag: str, default: str) -> str:
     """The setting through which the user set ``flag`` (``default`` when none did)."""
-    source = command.source(flag)
-    return (source.setting(flag) if source is not None else None) or default
+    return command.setting_of(flag) or default
 
 
 def plan_hub_checks(

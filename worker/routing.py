@@ -13,6 +13,7 @@ talk to anything but the local vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import urllib.parse
@@ -116,12 +117,7 @@ def check_route(route: object, field: str) -> str:
 
 
 def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy:
-    values: dict[str, Any] = {
-        "max_batch_size": defaults.max_batch_size,
-        "min_batch_size": defaults.min_batch_size,
-        "growth_factor": defaults.growth_factor,
-        "max_delay": defaults.max_delay,
-    }
+    values: dict[str, Any] = {}
     for key in _BATCH_KEYS:
         if key not in data or data[key] is None:
             continue
@@ -152,7 +148,7 @@ def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy
             if value < 1:
                 raise InvalidRequest(f"'{key}' must be a whole number >= 1.")
             values[key] = value
-    return BatchPolicy(**values)
+    return dataclasses.replace(defaults, **values)
 
 
 def _stream_flag(body: object, field: str) -> bool:

@@ -17,7 +17,6 @@ loop. ``run_serverless`` serves Runpod's job API; ``run_local`` the runpod SDK's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -207,11 +206,7 @@ class QueueWorker:
             loop.add_signal_handler(sig, on_signal, sig)
         process = self.startup.process
         if proxy is not None and process is not None:
-            def on_exit(code: int) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is closed at our own stop
-                    loop.call_soon_threadsafe(self._on_vllm_death, code, proxy, jobs)
-
-            process.on_exit(on_exit)
+            process.on_exit_in(loop, lambda code: self._on_vllm_death(code, proxy, jobs))
         if isinstance(outcome.error, PrestartFailed):
             loop.call_later(self.settings.prestart_failed_wait, self._give_up, jobs)
 
@@ -264,7 +259,8 @@ class QueueWorker:
     def _on_vllm_death(self, code: int, proxy: Proxy, jobs: JobLoop) -> None:
         if jobs.stopping:
             return
-        reason = self._death_reason(code)
+        assert self.startup.process is not None
+        reason = self.startup.process.death_reason(code)
         logger.error("%s", reason)
         proxy.mark_backend_dead(reason)
         self._exit_code = 1
@@ -272,23 +268,12 @@ class QueueWorker:
         self._stop_grace = 1.0
         jobs.stop(_DEATH_DRAIN_TIMEOUT)
 
-    def _death_reason(self, code: int | None) -> str:
-        assert self.startup.process is not None
-        return f"vLLM exited with code {code} while serving. Last lines:\n" + (
-            self.startup.process.tail_text(1500)
-        )
-
     async def _vllm_failure(self) -> str | None:
         """Called by the proxy on a transport error: was it vLLM dying?"""
         process = self.startup.process
-        if process is None:
+        if process is None or (code := await process.exited_within(0.5)) is None:
             return None
-        exited = asyncio.ensure_future(process.wait_exit())
-        done, _ = await asyncio.wait({exited}, timeout=0.5)
-        if not done:
-            exited.cancel()
-            return None
-        return self._death_reason(exited.result())
+        return process.death_reason(code)
 
 
 def _import_sdk() -> None:

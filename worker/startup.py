@@ -50,11 +50,11 @@ WaitHealthy = Callable[[VllmProcess], Coroutine[object, object, Readiness]]
 
 @dataclass
 class StartOutcome:
-    """What the start ended with: ready (``process`` serves ``command``), or ``error``."""
+    """What the start ended with: ready (:attr:`Startup.process` serves ``command``), or
+    ``error``."""
 
     error: WorkerError | None = None
     command: VllmCommand | None = None
-    process: VllmProcess | None = None
     healthy_at: float | None = None
     tried: list[str] = field(default_factory=list)
 
@@ -111,7 +111,9 @@ class Startup:
         elif cache.reason:
             logger.info("vLLM cache stays local: %s", cache.reason)
         try:
-            launch = self._build(env)
+            # The catalog may need a subprocess (a version query, at worst a dump): off the
+            # loop, where the load balancer's health check answers meanwhile.
+            launch = await asyncio.to_thread(self._build, env)
         except ConfigError as exc:
             return StartOutcome(exc)
         if (missing := missing_baked_model(launch.command)) is not None:
@@ -119,31 +121,27 @@ class Startup:
 
         hub: asyncio.Task[StartupError | None] = asyncio.create_task(self._hub_check(launch))
         tried: list[str] = []
-        volume_cache = cache.path
         try:
             while True:
                 self.process = self._spawn(launch)
                 attempt = await self._attempt(self.process, launch, hub)
                 decision = decide(
-                    attempt, Start(env, launch.command, volume_cache), tried,
+                    attempt, Start(env, launch.command, cache.path), tried,
                     startup_timeout=self.settings.startup_timeout,
                     mask=self._masker.mask,
                 )
                 if isinstance(decision, Serve):
-                    return StartOutcome(None, launch.command, self.process, time.monotonic(),
-                                        tried)
+                    return StartOutcome(None, launch.command, time.monotonic(), tried)
                 if isinstance(decision, Fail):
-                    return StartOutcome(decision.error, launch.command, self.process, None, tried)
+                    return StartOutcome(decision.error, launch.command, None, tried)
                 assert isinstance(decision, Relaunch)
                 tried.append(f"a relaunch with {decision.note}")
                 logger.warning("relaunching vLLM once with %s", decision.note)
                 env = dict(decision.env)
-                if "VLLM_CACHE_ROOT" not in env:
-                    volume_cache = None
                 try:
-                    launch = self._build(env)
+                    launch = await asyncio.to_thread(self._build, env)
                 except ConfigError as exc:
-                    return StartOutcome(exc, launch.command, self.process, None, tried)
+                    return StartOutcome(exc, launch.command, None, tried)
         finally:
             hub.cancel()
 

@@ -169,6 +169,19 @@ class VllmProcess:
                 return
         callback(code)
 
+    def on_exit_in(
+        self, loop: asyncio.AbstractEventLoop, callback: Callable[[int], None]
+    ) -> Callable[[int], None]:
+        """Call ``callback(exit_code)`` in ``loop`` when the main process exits; the callback
+        registered with :meth:`on_exit` is returned."""
+
+        def resolve(code: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by then
+                loop.call_soon_threadsafe(callback, code)
+
+        self.on_exit(resolve)
+        return resolve
+
     async def wait_exit(self) -> int:
         """Await the exit of the main vLLM process without blocking the event loop.
 
@@ -182,16 +195,27 @@ class VllmProcess:
             if not future.done():
                 future.set_result(code)
 
-        def resolve(code: int) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop may be closed by then
-                loop.call_soon_threadsafe(settle, code)
-
-        self.on_exit(resolve)
+        resolve = self.on_exit_in(loop, settle)
         try:
             return await future
         finally:  # an abandoned wait (the proxy gives up after 0.5 s) must not stay queued
             with self._lock, contextlib.suppress(ValueError):
                 self._exit_callbacks.remove(resolve)
+
+    async def exited_within(self, seconds: float) -> int | None:
+        """The exit code when the main process exits within ``seconds``, else None.
+
+        A dying vLLM closes its connections a moment before its exit is seen: the relays
+        give the exit this long to show, so that their answer says what happened.
+        """
+        try:
+            return await asyncio.wait_for(self.wait_exit(), seconds)
+        except TimeoutError:
+            return None
+
+    def death_reason(self, code: int) -> str:
+        """What a job or request is told when vLLM exits while serving."""
+        return f"vLLM exited with code {code} while serving. Last lines:\n" + self.tail_text(1500)
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after ``grace`` seconds.

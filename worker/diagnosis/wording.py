@@ -41,9 +41,7 @@ _QUOTE_LIMIT = 260
 
 def _variable(flag: str, context: Context) -> str:
     """How the user sets ``flag``: the variable (or file, or VLLM_EXTRA_ARGS) that set it."""
-    source = context.command.source(flag)
-    setting = source.setting(flag) if source is not None else None
-    return setting or _DEFAULT_VARIABLE.get(flag, env_name(flag))
+    return context.command.setting_of(flag) or _DEFAULT_VARIABLE.get(flag, env_name(flag))
 
 
 def _assign(flag: str, value: str, context: Context) -> str:
