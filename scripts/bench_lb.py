@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,8 @@ if str(ROOT) not in sys.path:
 
 from tests.conftest import free_port  # noqa: E402
 from tests.fake_openai import expected_stream  # noqa: E402
-from tests.fake_vllm import write_wrapper  # noqa: E402
+from tests.fake_vllm import fake_vllm_env  # noqa: E402
+from tests.proc_stats import cpu_seconds  # noqa: E402
 from tests.worker_process import WorkerProcess  # noqa: E402
 
 CONCURRENCY = 32
@@ -67,12 +67,6 @@ async def main():
 asyncio.run(main())
 """
 Request = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of one process (not its children), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def completion(session: aiohttp.ClientSession, base: str) -> None:
@@ -132,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     port, vllm_port, pump_port = free_port(), free_port(), free_port()
     worker = WorkerProcess([sys.executable, "-m", "worker"], {
         "WORKER_MODE": "lb", "PORT": str(port), "VLLM_PORT": str(vllm_port),
-        "VLLM_EXECUTABLE": str(write_wrapper(tmp / "bin")), "MODEL_NAME": "fake-model",
-        "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp / "cache"),
-        "WORKER_LOG_LEVEL": "WARNING"}, log_path=tmp / "worker.log")
+        **fake_vllm_env(tmp), "WORKER_LOG_LEVEL": "WARNING"}, log_path=tmp / "worker.log")
     pump = subprocess.Popen([sys.executable, "-c", PUMP_CODE, str(pump_port), str(vllm_port)],
                             stdout=subprocess.PIPE, text=True)
     try:

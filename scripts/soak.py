@@ -39,11 +39,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.soak import SoakRun, figures, latency, run_fake_soak, run_real_soak  # noqa: E402
+from tests.soak_checks import FAILURE_MARKERS  # noqa: E402
 from tests.tiny_model import build_tiny_model, scratch_dirs, tiny_env  # noqa: E402
 from worker.build import vllm_python  # noqa: E402
-
-FAILURE_MARKERS = ("Traceback", "Captured Handler Exception", "Uncaught exception",
-                   "Task exception was never retrieved")
 
 
 def summary(run: SoakRun) -> dict[str, Any]:

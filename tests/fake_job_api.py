@@ -120,7 +120,8 @@ class _QuietServer(ThreadingHTTPServer):
 class FakeJobApi:
     """Serve jobs to a worker on 127.0.0.1 and record what it sends back."""
 
-    def __init__(self, *, health_url: str | None = None, hold: float = 0.5) -> None:
+    def __init__(self, *, health_url: str | None = None, hold: float = 0.5,
+                 stop_hold: float | None = None) -> None:
         self.health_url = health_url
         self.hold = hold
         self.jobs: dict[str, JobRecord] = {}
@@ -128,7 +129,7 @@ class FakeJobApi:
         self.to_stop: list[str] = []
         self.take_requests: list[float] = []
         self.health_violations: list[str] = []
-        self.stop_hold: float | None = None  # how long a job-stop poll is held (None: hold)
+        self.stop_hold = stop_hold  # how long a job-stop poll is held (None: hold)
         self.post_delay = 0.0  # seconds each job-stream/job-done POST takes
         self.refuse_posts = 0  # the next N POSTs answer 503 (the SDK retries)
         self.faults: dict[str, JobFaults] = {}
@@ -221,9 +222,9 @@ class FakeJobApi:
             self._cond.notify_all()
         return job_id
 
-    def cancel(self, job_id: str) -> None:
+    def cancel(self, *job_ids: str) -> None:
         with self._cond:
-            self.to_stop.append(job_id)
+            self.to_stop.extend(job_ids)
             self._cond.notify_all()
 
     def wait_done(self, job_id: str, timeout: float = 120.0) -> JobRecord:
@@ -315,11 +316,6 @@ class FakeJobApi:
             action = plan.get(attempt, "ok")
             job.attempts.append((kind, attempt, action))
             return action
-
-    def cancel_all(self, job_ids: list[str]) -> None:
-        with self._cond:
-            self.to_stop.extend(job_ids)
-            self._cond.notify_all()
 
     def _untake(self, job_ids: list[str]) -> None:
         """Put jobs whose hand-out did not reach the worker back at the head of the queue."""
@@ -464,7 +460,7 @@ class FakeJobApi:
                     delivered = self._reply(200, {"jobsToStop": stops}) if stops else (
                         self._reply(204))
                     if not delivered:  # the platform signals a stop until the job stops
-                        api.cancel_all(stops)
+                        api.cancel(*stops)
                 else:
                     self._reply(200, {})
 

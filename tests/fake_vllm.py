@@ -122,6 +122,15 @@ def free_port() -> int:
         return port
 
 
+def fake_vllm_env(tmp: Path, model: str = "fake-model", *,
+                  executable: Path | None = None) -> dict[str, str]:
+    """A worker's environment on this stand-in: its wrapper as ``vllm`` (or ``executable``),
+    a model on no hub (no pre-flight call), and a cache of its own (never the user's
+    flag-catalog cache)."""
+    return {"VLLM_EXECUTABLE": str(executable or write_wrapper(tmp / "bin")),
+            "MODEL_NAME": model, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp / "cache")}
+
+
 def launch_worker(
     job_api_env: Mapping[str, str],
     tmp: Path,
@@ -143,13 +152,10 @@ def launch_worker(
         [sys.executable, "-m", "worker"],
         {
             **job_api_env,
-            "VLLM_EXECUTABLE": str(write_wrapper(tmp / "bin")),
-            "MODEL_NAME": model,
+            **fake_vllm_env(tmp, model),
             "VLLM_PORT": str(port),
             "MAX_CONCURRENCY": str(concurrency),
             "VLLM_STARTUP_TIMEOUT": str(timeout),
-            "XDG_CACHE_HOME": str(tmp / "cache"),
-            "HF_HUB_OFFLINE": "1",  # the fake model is on no hub: no pre-flight call
             **(extra_env or {}),
         },
         log_path=tmp / "worker.log",

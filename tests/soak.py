@@ -269,14 +269,6 @@ def wait_backend_idle(port: int, names: tuple[str, ...], timeout: float) -> floa
 
 
 @contextlib.contextmanager
-def soak_job_api() -> Iterator[FakeJobApi]:
-    """The loopback job API, holding job-stop polls as the platform does (:data:`STOP_HOLD`)."""
-    with FakeJobApi() as api:
-        api.stop_hold = STOP_HOLD
-        yield api
-
-
-@contextlib.contextmanager
 def fake_worker(tmp: Path, api: FakeJobApi, concurrency: int,
                 request_timeout: float) -> Iterator[Worker]:
     port = free_port()
@@ -299,7 +291,8 @@ def run_fake_soak(tmp: Path, *, jobs: int, warmup: int, concurrency: int = 30, s
     started = time.monotonic()
     mix = FakeMix(seed, request_timeout, refusal_weight=refusal_weight)
     windows = Windows()
-    with soak_job_api() as api, fake_worker(tmp, api, concurrency, request_timeout) as worker:
+    with (FakeJobApi(stop_hold=STOP_HOLD) as api,
+          fake_worker(tmp, api, concurrency, request_timeout) as worker):
         def restart() -> None:
             vllm_listener_restart(worker.vllm_port, 0.3, windows)
 
@@ -332,7 +325,7 @@ def run_real_soak(tmp: Path, env: dict[str, str], *, jobs: int, warmup: int,
     mix = RealMix(seed, env["MODEL_NAME"])
     port = free_port()
     stats = tmp / "stats.jsonl"
-    with soak_job_api() as api, RecordingRelay(port) as relay:
+    with FakeJobApi(stop_hold=STOP_HOLD) as api, RecordingRelay(port) as relay:
         api.health_url = f"http://127.0.0.1:{port}/health"
         process = WorkerProcess(
             [sys.executable, "-m", "worker"],

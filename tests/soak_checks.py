@@ -318,13 +318,16 @@ def send_failures(log: str) -> dict[str, list[str]]:
     return found
 
 
+#: Lines of the worker's log that fail a soak.
+FAILURE_MARKERS = ("Traceback", "Captured Handler Exception", "Uncaught exception",
+                   "Task exception was never retrieved", "Unclosed")
+
+
 def log_counts(log: str) -> Counter[str]:
     """What the worker's log says that the soak counts."""
     counts: Counter[str] = Counter()
     for line in log.splitlines():
-        for marker in (POST_FAILED, TAKE_FAILED, "Traceback", "Captured Handler Exception",
-                       "Uncaught exception", "Task exception was never retrieved",
-                       "Unclosed", "job API connect failed"):
+        for marker in (POST_FAILED, TAKE_FAILED, *FAILURE_MARKERS, "job API connect failed"):
             if marker in line:
                 counts[marker] += 1
     return counts

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.fake_openai import expected_stream
-from tests.fake_vllm import write_wrapper
+from tests.fake_vllm import fake_vllm_env
 from tests.lb_worker import LbWorker, start_lb_worker
 
 StartLb = Callable[..., LbWorker]
@@ -33,9 +33,7 @@ def start_lb(tmp_path: Path) -> Iterator[StartLb]:
 
     def start(extra: dict[str, str] | None = None, *, separate_health_port: bool = False,
               vllm: Path | None = None) -> LbWorker:
-        env = {"VLLM_EXECUTABLE": str(vllm or write_wrapper(tmp_path / "bin")),
-               "MODEL_NAME": "fake-model", "HF_HUB_OFFLINE": "1",
-               "XDG_CACHE_HOME": str(tmp_path / "cache"), "FAKE_VLLM_START_DELAY": "1.5",
+        env = {**fake_vllm_env(tmp_path, executable=vllm), "FAKE_VLLM_START_DELAY": "1.5",
                **(extra or {})}
         lb = start_lb_worker(env, tmp_path / f"lb-{len(started)}.log",
                              separate_health_port=separate_health_port)

@@ -73,11 +73,10 @@ def test_a_bad_worker_setting_is_reported(value: str) -> None:
 # -- --test_input: one job, its result printed as the platform has it -------------------------
 def fake_vllm_env(tmp_path: Path) -> dict[str, str]:
     """A worker on the stand-in vLLM (starts in a fraction of a second)."""
-    from tests.fake_vllm import free_port, write_wrapper
+    from tests.fake_vllm import fake_vllm_env as stand_in_env
+    from tests.fake_vllm import free_port
 
-    return {"VLLM_EXECUTABLE": str(write_wrapper(tmp_path / "bin")), "MODEL_NAME": "fake-model",
-            "VLLM_PORT": str(free_port()), "HF_HUB_OFFLINE": "1",
-            "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    return {**stand_in_env(tmp_path), "VLLM_PORT": str(free_port())}
 
 
 def run_test_job(job: Mapping[str, object], tmp_path: Path, **env: str) -> tuple[

@@ -289,7 +289,7 @@ def test_error_examples_are_the_workers_words() -> None:
     assert (example["message"], example["kind"]) == (diagnosis.message, diagnosis.kind)
 
     handler = (ROOT / "worker" / "handler.py").read_text()
-    server = (ROOT / "worker" / "server.py").read_text()
+    server = (ROOT / "worker" / "supervisor.py").read_text()  # VllmProcess.death_reason
     policy = (ROOT / "worker" / "policy.py").read_text()
     assert "(REQUEST_TIMEOUT); the request was abandoned." in handler
     assert _error_example("timeout")["message"].endswith(

@@ -18,13 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.soak import SoakRun, figures, latency, run_fake_soak, run_real_soak
-from tests.soak_checks import API_REFUSED, POST_FAILED
+from tests.soak_checks import API_REFUSED, FAILURE_MARKERS, POST_FAILED
 from tests.worker_process import ROOT, base_env
 
 pytestmark = pytest.mark.soak
 
-FAILURES_IN_LOG = ("Traceback", "Captured Handler Exception", "Uncaught exception",
-                   "Task exception was never retrieved", "Unclosed")
 #: Every fault the fake soak injects, as tests/soak.py names what the job API saw.
 FAULTS = (
     *(f"{kind} {action}" for kind in ("job-stream", "job-done")
@@ -39,7 +37,7 @@ def assert_nothing_leaked_nor_drifted(run: SoakRun) -> None:
     """What both soaks hold the worker to once every job checked out."""
     print(figures(run))
     assert run.tally.problems == []
-    assert not any(run.log_counts.get(marker) for marker in FAILURES_IN_LOG), run.log_counts
+    assert not any(run.log_counts.get(marker) for marker in FAILURE_MARKERS), run.log_counts
     assert run.backend_active_after == 0, "vLLM still runs requests of finished jobs"
     base, final = run.baseline, run.final
     first_half = max(p.rss_mb for p in [base, *(t.point for t in run.tenths[:5])])

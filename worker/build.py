@@ -18,6 +18,7 @@ from worker.catalog import resolve_catalog
 from worker.command import build_command
 from worker.config import HubAccess, Launch, VllmCommand
 from worker.flags import FlagCatalog
+from worker.inputs import read_text
 from worker.settings import WORKER_SETTING_NAMES, Settings
 from worker.values import is_true
 from worker.volume_cache import CacheChoice, choose_cache_root
@@ -82,11 +83,7 @@ def vllm_environment(
     return child
 
 
-def _read_text(path: str) -> str:
-    return Path(path).read_text(encoding="utf-8")
-
-
-def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = _read_text) -> HubAccess:
+def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = read_text) -> HubAccess:
     """What ``env`` (vLLM's environment) tells its huggingface_hub: token, endpoint, caches."""
     home = env.get("HF_HOME", "").strip()
     if home:
@@ -141,7 +138,7 @@ class Builder:
         catalog_loader: Callable[[Settings, Mapping[str, str]], FlagCatalog] = load_catalog,
         baked_args_path: str | None = None,
         file_exists: Callable[[str], bool] = os.path.exists,
-        read_text: Callable[[str], str] = _read_text,
+        read_text: Callable[[str], str] = read_text,
     ) -> None:
         self.settings = settings
         self.env = dict(env)

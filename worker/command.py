@@ -23,13 +23,12 @@ import os
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from worker.config import FlagSetting, FlagSource, VllmCommand
 from worker.errors import ConfigError
 from worker.flags import Flag, FlagCatalog
-from worker.inputs import read_baked_args, read_config_file
-from worker.render import Rendered, render
+from worker.inputs import read_baked_args, read_config_file, read_text
+from worker.render import LORA_FLAG, Rendered, render
 from worker.secrets import SECRET_FLAGS, is_secret_name
 from worker.settings import WORKER_SETTING_NAMES
 
@@ -115,12 +114,7 @@ RETIRED: Mapping[str, str] = {
 UNSET_VALUES: Mapping[str, str] = {"MAX_NUM_BATCHED_TOKENS": "0"}
 
 _MODEL_FLAG = "--model"
-_LORA_FLAG = "--lora-modules"
-_ENABLE_LORA_FLAG = "--enable-lora"
-
-
-def _read_text(path: str) -> str:
-    return Path(path).read_text(encoding="utf-8")
+_ENABLELORA_FLAG = "--enable-lora"
 
 
 @dataclass
@@ -144,7 +138,7 @@ def build_command(
     config_default: str = "/vllm_config.yaml",
     baked_args_path: str = "/local_model_args.json",
     file_exists: Callable[[str], bool] = os.path.exists,
-    read_text: Callable[[str], str] = _read_text,
+    read_text: Callable[[str], str] = read_text,
 ) -> VllmCommand:
     """Translate ``env`` into the `vllm serve` command; ConfigError when it cannot be done.
 
@@ -234,21 +228,21 @@ def _enable_lora(
     ``--enable-lora``: adapters the user listed are a request for LoRA. Turning LoRA off
     explicitly while listing adapters is a contradiction only the user can settle.
     """
-    modules, enable = flags.get(_LORA_FLAG), flags.get(_ENABLE_LORA_FLAG)
-    if modules is None or catalog.get(_ENABLE_LORA_FLAG) is None:
+    modules, enable = flags.get(LORA_FLAG), flags.get(_ENABLELORA_FLAG)
+    if modules is None or catalog.get(_ENABLELORA_FLAG) is None:
         return []
-    where = modules.source.setting(_LORA_FLAG) or _LORA_FLAG
+    where = modules.source.setting(LORA_FLAG) or LORA_FLAG
     if enable is not None and enable.switch is False:
         raise ConfigError(
-            f"{where} lists LoRA adapters but {enable.source.setting(_ENABLE_LORA_FLAG)} turns "
+            f"{where} lists LoRA adapters but {enable.source.setting(_ENABLELORA_FLAG)} turns "
             "LoRA off: set ENABLE_LORA=true (or leave it unset), or remove the adapters"
         )
     if enable is not None:
         return []
     warnings.append(f"{where} lists LoRA adapters: the worker adds --enable-lora, which vLLM "
                     "needs to load them (set ENABLE_LORA=true to say so yourself)")
-    _record(flags, _ENABLE_LORA_FLAG, FlagSetting(FlagSource("worker"), switch=True))
-    return [_ENABLE_LORA_FLAG]
+    _record(flags, _ENABLELORA_FLAG, FlagSetting(FlagSource("worker"), switch=True))
+    return [_ENABLELORA_FLAG]
 
 
 def _record(flags: dict[str, FlagSetting], flag: str, setting: FlagSetting) -> None:

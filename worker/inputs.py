@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from worker.config import FlagSetting, FlagSource
 from worker.errors import ConfigError
 from worker.flags import FlagCatalog
+
+
+def read_text(path: str) -> str:
+    """A file's text: the file access the command and the build take by default."""
+    return Path(path).read_text(encoding="utf-8")
 
 
 def read_baked_args(path: str, read_text: Callable[[str], str]) -> dict[str, str]:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from worker.build import Builder, vllm_environment
+from worker.build import Builder
 from worker.errors import ConfigError
 from worker.secrets import SecretMasker
 from worker.settings import Settings
@@ -78,15 +78,15 @@ def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) 
     builder = Builder(settings, env, host="0.0.0.0", port=settings.effective_port,
                       behind_worker=False)
     try:
-        command = builder.command()
+        launch = builder.launch()
     except ConfigError as exc:
         print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
+    command = launch.command
     for warning in command.warnings:
         logger.warning("%s", masker.mask(warning))
     logger.info("exec: %s", command.shell_line(masker))
-    os.execvpe(command.argv[0], list(command.argv),
-               vllm_environment(env, command, behind_worker=False))
+    os.execvpe(command.argv[0], list(command.argv), dict(launch.env))
 
 
 def has_gpu() -> bool:

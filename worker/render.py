@@ -17,7 +17,7 @@ from worker.errors import ConfigError
 from worker.flags import Flag
 from worker.values import parse_bool as parse_yes_no
 
-_LORA_FLAG = "--lora-modules"
+LORA_FLAG = "--lora-modules"
 _MM_LIMIT_FLAG = "--limit-mm-per-prompt"
 _LEGACY_MM_LIMIT = re.compile(r"\s*[A-Za-z_][\w-]*\s*=\s*\d+\s*(,\s*[A-Za-z_][\w-]*\s*=\s*\d+\s*)*")
 _LORA_EXAMPLE = 'LORA_MODULES=\'[{"name": "my-adapter", "path": "org/adapter"}]\''
@@ -51,7 +51,7 @@ def render(flag: Flag, var: str, value: str) -> Rendered:
         return Rendered([flag.negative], switch=False) if flag.negative else Rendered([])
     if flag.kind in ("store_true", "store_false"):
         return Rendered([flag.name], switch=True) if parse_bool(var, value) else Rendered([])
-    if flag.name == _LORA_FLAG and value.lstrip().startswith(("[", "{")):
+    if flag.name == LORA_FLAG and value.lstrip().startswith(("[", "{")):
         items = _legacy_lora_modules(var, value)
     elif flag.name == _MM_LIMIT_FLAG:
         items = [_legacy_mm_limit(var, value)]

@@ -19,6 +19,7 @@ from worker.hub_messages import (
     gated_message,
     invalid_token_message,
     not_found_message,
+    repo_page,
     revision_not_found_message,
 )
 
@@ -412,7 +413,7 @@ def explain_remote_code(
     repo = _failing_repo(context)
     name = repo or "The model"
     cause = f"{name} contains custom code that must run to load it, which vLLM may not run."
-    where = f" (read it at https://huggingface.co/{repo})" if repo and not _is_path(repo) else ""
+    where = f" (read it at {repo_page(repo)})" if repo and not _is_path(repo) else ""
     fix = (
         f"If you trust the repository's code{where}, set "
         f"{_assign('--trust-remote-code', 'true', context)}."
