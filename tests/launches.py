@@ -48,7 +48,8 @@ def launch_of(
         with open(path, encoding="utf-8") as handle:
             return handle.read()
 
-    settings = Settings(base_path=env.get("BASE_PATH", "/runpod-volume"))
-    builder = Builder(settings, env, catalog_loader=lambda *_: CATALOG,
-                      baked_args_path=baked_args_path, file_exists=exists, read_text=read_text)
+    settings = Settings(base_path=env.get("BASE_PATH", "/runpod-volume"),
+                        baked_model_file=baked_args_path)
+    builder = Builder(settings, env, catalog_loader=lambda *_: CATALOG, file_exists=exists,
+                      read_text=read_text)
     return builder.launch()

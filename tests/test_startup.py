@@ -80,9 +80,9 @@ async def no_hub_problem(launch: Launch) -> StartupError | None:
 def startup(env: dict[str, str], script: Script, tmp_path: Path, *,
             hub_check: HubCheck = no_hub_problem, settings_error: ConfigError | None = None,
             baked_args_path: str = "/nonexistent") -> Startup:
-    settings = Settings(base_path=str(tmp_path / "no-volume"))
+    settings = Settings(base_path=str(tmp_path / "no-volume"), baked_model_file=baked_args_path)
     builder = Builder(settings, {"MODEL_NAME": "/models/m", **env},
-                      catalog_loader=lambda *_: CATALOG, baked_args_path=baked_args_path)
+                      catalog_loader=lambda *_: CATALOG)
     return Startup(builder, masker=SecretMasker(), settings_error=settings_error,
                    spawn=script.spawn, hub_check=hub_check,
                    wait_healthy=script.wait)

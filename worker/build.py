@@ -48,9 +48,14 @@ def vllm_python(executable: str) -> str | None:
     return None
 
 
+def _cache_home(env: Mapping[str, str]) -> str:
+    """The user's cache folder by the XDG rule (huggingface_hub's and the catalog cache's)."""
+    return env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def load_catalog(settings: Settings, env: Mapping[str, str]) -> FlagCatalog:
     """The catalog of `vllm serve` flags of the vLLM that will run (logged: where from)."""
-    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "worker-vllm"
+    cache = Path(_cache_home(env)) / "worker-vllm"
     explicit = Path(settings.flag_catalog) if settings.flag_catalog else None
     catalog, source = resolve_catalog(
         vllm_python(settings.vllm_executable), cache, explicit, logger.info, env=env
@@ -86,12 +91,7 @@ def vllm_environment(
 def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = read_text) -> HubAccess:
     """What ``env`` (vLLM's environment) tells its huggingface_hub: token, endpoint, caches."""
     home = env.get("HF_HOME", "").strip()
-    if home:
-        hf_home = os.path.expanduser(home)
-    else:
-        cache = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(
-            os.path.expanduser("~"), ".cache")
-        hf_home = os.path.join(cache, "huggingface")
+    hf_home = os.path.expanduser(home) if home else os.path.join(_cache_home(env), "huggingface")
 
     token = next((value for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
                   if (value := env.get(name, "").strip())), None)
@@ -136,7 +136,6 @@ class Builder:
         port: int | None = None,
         behind_worker: bool = True,
         catalog_loader: Callable[[Settings, Mapping[str, str]], FlagCatalog] = load_catalog,
-        baked_args_path: str | None = None,
         file_exists: Callable[[str], bool] = os.path.exists,
         read_text: Callable[[str], str] = read_text,
     ) -> None:
@@ -147,7 +146,6 @@ class Builder:
         self._behind_worker = behind_worker
         self._catalog_loader = catalog_loader
         self._catalog: FlagCatalog | None = None
-        self._baked_args_path = baked_args_path or settings.baked_model_file
         self._file_exists = file_exists
         self._read_text = read_text
 
@@ -165,7 +163,7 @@ class Builder:
             vllm_executable=self.settings.vllm_executable,
             host=self._host,
             port=self._port,
-            baked_args_path=self._baked_args_path,
+            baked_args_path=self.settings.baked_model_file,
             file_exists=self._file_exists,
             read_text=self._read_text,
         )
@@ -179,7 +177,6 @@ class Builder:
             command=command,
             env=child,
             hub=hub_access(child, self._read_text),
-            cpu_kv_cache_space=child.get("VLLM_CPU_KVCACHE_SPACE", "").strip() or None,
             base_path=self.settings.base_path,
         )
 

@@ -151,7 +151,7 @@ def resolve_catalog(
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
             log(f"could not dump the flag catalog with {vllm_python}: {exc}")
 
-    fallback = packaged_catalog_path(version)
+    fallback = packaged_catalog_path()  # no catalog of ``version`` is packaged (see above)
     catalog = FlagCatalog.load(fallback)
     note = f"packaged {fallback.name} (vLLM {catalog.version})"
     if version and version.split("+", 1)[0] != catalog.version.split("+", 1)[0]:

@@ -236,7 +236,10 @@ class Launch:
     env: Mapping[str, str] = field(default_factory=dict)
     """The environment of the vLLM process."""
     hub: HubAccess = field(default_factory=HubAccess)
-    cpu_kv_cache_space: str | None = None
-    """``VLLM_CPU_KVCACHE_SPACE`` (GiB), when set: the CPU backend's KV cache size."""
     base_path: str = "/runpod-volume"
     """Where the network volume mounts (BASE_PATH)."""
+
+    @property
+    def cpu_kv_cache_space(self) -> str | None:
+        """``VLLM_CPU_KVCACHE_SPACE`` (GiB), when set: the CPU backend's KV cache size."""
+        return self.env.get("VLLM_CPU_KVCACHE_SPACE", "").strip() or None

@@ -329,9 +329,9 @@ def write_json_atomically(data: Mapping[str, Any], path: Path) -> None:
 
 
 # -- the packaged catalogs ----------------------------------------------------------------
-def packaged_catalog_path(version: str | None = None) -> Path:
-    """The packaged catalog for ``version`` when shipped, else the one of PACKAGED_VERSION."""
-    return packaged_catalog_for(version) or PACKAGED_DIR / f"vllm-{PACKAGED_VERSION}.json"
+def packaged_catalog_path() -> Path:
+    """The packaged catalog of PACKAGED_VERSION (the image's vLLM)."""
+    return PACKAGED_DIR / f"vllm-{PACKAGED_VERSION}.json"
 
 
 def packaged_catalog_for(version: str | None) -> Path | None:

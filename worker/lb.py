@@ -111,7 +111,7 @@ class LoadBalancerWorker:
             start.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await start
-        await self._done.wait()
+        await done_waiter
         if self.state is State.STOPPING:
             logger.info("draining %d request(s) for up to %.0f s",
                         self._in_flight, self.settings.drain_timeout)

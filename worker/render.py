@@ -15,7 +15,7 @@ from typing import Any
 
 from worker.errors import ConfigError
 from worker.flags import Flag
-from worker.values import parse_bool as parse_yes_no
+from worker.values import parse_bool
 
 LORA_FLAG = "--lora-modules"
 _MM_LIMIT_FLAG = "--limit-mm-per-prompt"
@@ -32,9 +32,9 @@ class Rendered:
     switch: bool | None = None
 
 
-def parse_bool(var: str, value: str) -> bool:
+def _require_bool(var: str, value: str) -> bool:
     """``true/false/1/0/yes/no/on/off`` in any case; anything else is a ConfigError."""
-    parsed = parse_yes_no(value)
+    parsed = parse_bool(value)
     if parsed is None:
         raise ConfigError(
             f"{var}={value!r} is not a boolean: use true/false (or 1/0, yes/no, on/off), "
@@ -46,11 +46,11 @@ def parse_bool(var: str, value: str) -> bool:
 def render(flag: Flag, var: str, value: str) -> Rendered:
     """The command-line arguments for variable ``var``'s ``value`` of ``flag``."""
     if flag.kind == "bool_pair":
-        if parse_bool(var, value):
+        if _require_bool(var, value):
             return Rendered([flag.name], switch=True)
         return Rendered([flag.negative], switch=False) if flag.negative else Rendered([])
     if flag.kind in ("store_true", "store_false"):
-        return Rendered([flag.name], switch=True) if parse_bool(var, value) else Rendered([])
+        return Rendered([flag.name], switch=True) if _require_bool(var, value) else Rendered([])
     if flag.name == LORA_FLAG and value.lstrip().startswith(("[", "{")):
         items = _legacy_lora_modules(var, value)
     elif flag.name == _MM_LIMIT_FLAG:
