@@ -78,16 +78,14 @@ def _run_dump(vllm_python: str, out: Path, env: Mapping[str, str]) -> None:
     vLLM may live in another environment (the base image's Python) than the worker, so the
     worker package is put on that interpreter's path — alone, through a symlink in a
     scratch folder: adding the folder that holds it could be our whole site-packages, whose
-    compiled modules would shadow that interpreter's own. ``env`` is the worker's
-    environment; the dump runs with ``VLLM_TARGET_DEVICE=cpu`` unless it names a device (the
-    parser does not depend on it, but vLLM infers one while building it and fails on a
-    machine without a GPU). Raises on any failure.
+    compiled modules would shadow that interpreter's own. ``env``: the worker's environment,
+    which the dump runs in. Raises on any failure.
     """
     path_dir = out.parent / "pythonpath"
     path_dir.mkdir(exist_ok=True)
     (path_dir / "worker").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
     python_path = os.pathsep.join(p for p in (str(path_dir), env.get("PYTHONPATH")) if p)
-    child = {"VLLM_TARGET_DEVICE": "cpu", **env, "PYTHONPATH": python_path}
+    child = {**env, "PYTHONPATH": python_path}
     done = subprocess.run(
         [vllm_python, "-m", "worker.flags", "dump", "--out", str(out)],
         capture_output=True,
@@ -125,8 +123,8 @@ def resolve_catalog(
         except (OSError, ValueError) as exc:
             raise ConfigError(
                 f"VLLM_FLAG_CATALOG={str(explicit_path)!r} is not a readable flag catalog "
-                f"({exc}); write one with `VLLM_TARGET_DEVICE=cpu python -m worker.flags dump "
-                f"--out /etc/vllm-flags.json` and set VLLM_FLAG_CATALOG=/etc/vllm-flags.json, "
+                f"({exc}); write one with `python -m worker.flags dump --out "
+                f"/etc/vllm-flags.json` and set VLLM_FLAG_CATALOG=/etc/vllm-flags.json, "
                 "or unset it"
             ) from exc
 

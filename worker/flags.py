@@ -270,9 +270,6 @@ def dump_catalog() -> dict[str, Any]:
     """
     # Imported by name, here only: the worker process never imports vLLM, and type checking
     # must not depend on vLLM being installed.
-    # The parser does not depend on the device, but vLLM infers one while building it and
-    # fails on a machine without a GPU (an image build): callers run the dump with
-    # VLLM_TARGET_DEVICE=cpu (the Dockerfile, worker.catalog), the platform that always loads.
     vllm: Any = importlib.import_module("vllm")
     serve_cli: Any = importlib.import_module("vllm.entrypoints.cli.serve")
     argparse_utils: Any = importlib.import_module("vllm.utils.argparse_utils")
@@ -354,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dump.add_argument("--out", type=Path, help="file to write (default: stdout)")
     args = parser.parse_args(argv)
 
+    # This command's own process (vLLM's interpreter, never the worker's): the parser does
+    # not depend on the device, but vLLM infers one while building it and fails on a machine
+    # without a GPU (an image build), so the CPU platform, which always loads, is the default.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     with _stdout_to_stderr():
         data = dump_catalog()
     if args.out is None:
