@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -95,3 +97,95 @@ def start_lb_worker(env: Mapping[str, str], log_path: Path, *,
     worker = WorkerProcess([sys.executable, "-m", "worker"], full, log_path=log_path)
     health.start()
     return LbWorker(worker, port, health_port, health)
+
+
+class Tap:
+    """A loopback TCP relay that records what the upstream server sent on each connection.
+
+    Put between the worker and vLLM (VLLM_BASE_URL), it shows the bytes vLLM really sent for
+    a request, to compare with what a client of the worker received.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+
+        self._upstream = upstream_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.received: list[bytearray] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            except OSError:
+                client.close()
+                continue
+            record = bytearray()
+            with self._lock:
+                self.received.append(record)
+            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, record),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(source: Any, target: Any, record: bytearray | None) -> None:
+        try:
+            while data := source.recv(65536):
+                if record is not None:
+                    record += data
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, target):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(2)
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def response_body(self, marker: bytes) -> bytes:
+        """The body of the last recorded response whose headers hold ``marker``."""
+        found = [body for record in self.received for head, body in responses(bytes(record))
+                 if marker in head]
+        if not found:
+            raise AssertionError(f"no recorded response with {marker!r}")
+        return found[-1]
+
+
+def responses(data: bytes) -> list[tuple[bytes, bytes]]:
+    """The HTTP/1.1 responses of one connection, in order: (head, de-chunked body)."""
+    found = []
+    while b"\r\n\r\n" in data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lower = head.lower()
+        if b"transfer-encoding: chunked" in lower:
+            body, data = dechunk(data)
+        else:
+            length = next((int(line.split(b":")[1]) for line in lower.split(b"\r\n")
+                           if line.startswith(b"content-length:")), 0)
+            body, data = data[:length], data[length:]
+        found.append((head, body))
+    return found
+
+
+def dechunk(data: bytes) -> tuple[bytes, bytes]:
+    """A chunked HTTP/1.1 body at the start of ``data``, decoded, and what follows it."""
+    out = bytearray()
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return bytes(out), data.partition(b"\r\n")[2]
+        out += data[:size]
+        data = data[size + 2:]
+    return bytes(out), b""

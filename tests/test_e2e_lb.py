@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.lb_worker import LbWorker, start_lb_worker
-from tests.recording_relay import RecordingRelay
+from tests.lb_worker import LbWorker, Tap, start_lb_worker
 from tests.test_examples import LOAD_BALANCER, curl_commands
 from tests.worker_process import base_env
 
@@ -48,64 +47,64 @@ def test_health_clients_and_the_relayed_stream_then_vllms_death(
     import openai
 
     port = free_port()
-    with RecordingRelay(port) as relay:  # records what vLLM itself sends the worker
-        # Served under the name the README's curl command uses.
-        lb = start({**tiny_env, "VLLM_PORT": str(port), "SERVED_MODEL_NAME": "Qwen/Qwen3-0.6B",
-                    "VLLM_BASE_URL": relay.url}, tmp_path, lb_workers)
-        lb.wait_for_status(200, timeout=300)
-        statuses = lb.health.statuses()
-        assert statuses[statuses.index(204):] == [204, 200], statuses
-        print(f"real vLLM: first 204 {lb.health.first(204):.2f} s, first 200 "
-              f"{lb.health.first(200):.2f} s after the spawn")
+    tap = Tap(port)  # records what vLLM itself sends the worker
+    # Served under the name the README's curl command uses.
+    lb = start({**tiny_env, "VLLM_PORT": str(port), "SERVED_MODEL_NAME": "Qwen/Qwen3-0.6B",
+                "VLLM_BASE_URL": f"http://127.0.0.1:{tap.port}"}, tmp_path, lb_workers)
+    lb.wait_for_status(200, timeout=300)
+    statuses = lb.health.statuses()
+    assert statuses[statuses.index(204):] == [204, 200], statuses
+    print(f"real vLLM: first 204 {lb.health.first(204):.2f} s, first 200 "
+          f"{lb.health.first(200):.2f} s after the spawn")
 
-        # The README's curl command, at the worker's address instead of the endpoint's.
-        [readme_curl] = curl_commands(load_balancer=True)
-        done = subprocess.run(["bash", "-c", readme_curl.replace(LOAD_BALANCER, lb.url)],
-                              env={**base_env(), "RUNPOD_ENDPOINT_ID": "x", "RUNPOD_API_KEY": "k"},
-                              capture_output=True, text=True, timeout=120, check=True)
-        assert json.loads(done.stdout)["choices"][0]["message"]["role"] == "assistant"
+    # The README's curl command, at the worker's address instead of the endpoint's.
+    [readme_curl] = curl_commands(load_balancer=True)
+    done = subprocess.run(["bash", "-c", readme_curl.replace(LOAD_BALANCER, lb.url)],
+                          env={**base_env(), "RUNPOD_ENDPOINT_ID": "x", "RUNPOD_API_KEY": "k"},
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(done.stdout)["choices"][0]["message"]["role"] == "assistant"
 
-        client = openai.OpenAI(base_url=f"{lb.url}/v1", api_key="runpod-key-unused")
-        [model] = [m.id for m in client.models.list()]
-        chat = client.chat.completions.create(model=model, max_tokens=5,
-                                              messages=[{"role": "user", "content": "Hi"}])
-        assert chat.choices[0].message.role == "assistant" and chat.usage is not None
-        assert chat.usage.completion_tokens <= 5
-        pieces = list(client.completions.create(model=model, prompt="Hello", max_tokens=6,
-                                                stream=True, extra_body={"ignore_eos": True}))
-        # (vLLM may merge tokens into one delta when its engine runs ahead: count the end.)
-        assert pieces and pieces[-1].choices[0].finish_reason == "length"
+    client = openai.OpenAI(base_url=f"{lb.url}/v1", api_key="runpod-key-unused")
+    [model] = [m.id for m in client.models.list()]
+    chat = client.chat.completions.create(model=model, max_tokens=5,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+    assert chat.usage.completion_tokens <= 5
+    pieces = list(client.completions.create(model=model, prompt="Hello", max_tokens=6,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    # (vLLM may merge tokens into one delta when its engine runs ahead: count the end.)
+    assert pieces and pieces[-1].choices[0].finish_reason == "length"
 
-        claude = anthropic.Anthropic(base_url=lb.url, api_key="runpod-key-unused")
-        message = claude.messages.create(model=model, max_tokens=5,
-                                         messages=[{"role": "user", "content": "Hi"}])
-        assert message.role == "assistant"
-        with claude.messages.stream(model=model, max_tokens=5,
-                                    messages=[{"role": "user", "content": "Hi"}]) as events:
-            assert events.get_final_message().role == "assistant"
+    claude = anthropic.Anthropic(base_url=lb.url, api_key="runpod-key-unused")
+    message = claude.messages.create(model=model, max_tokens=5,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    assert message.role == "assistant"
+    with claude.messages.stream(model=model, max_tokens=5,
+                                messages=[{"role": "user", "content": "Hi"}]) as events:
+        assert events.get_final_message().role == "assistant"
 
-        # The relayed stream is vLLM's own, byte for byte.
-        body = {"model": model, "prompt": "Hello", "max_tokens": 8, "stream": True,
-                "ignore_eos": True}
-        relayed = httpx.post(f"{lb.url}/v1/completions", json=body, timeout=60).content
-        assert relayed.endswith(b"data: [DONE]\n\n")
-        assert relayed == [e.body for e in relay.exchanges()
-                           if e.headers.get("content-type", "").startswith("text/event-stream")][-1]
+    # The relayed stream is vLLM's own, byte for byte.
+    body = {"model": model, "prompt": "Hello", "max_tokens": 8, "stream": True,
+            "ignore_eos": True}
+    relayed = httpx.post(f"{lb.url}/v1/completions", json=body, timeout=60).content
+    assert relayed.endswith(b"data: [DONE]\n\n")
+    assert relayed == tap.response_body(b"text/event-stream")
+    tap.close()
 
-        # vLLM dies mid-stream: the stream ends with an error event, health turns 503, exit 1.
-        [pid] = lb.worker.vllm_pids()
-        received = bytearray()
-        with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=60, json={
-                **body, "max_tokens": 400}) as response:
-            for chunk in response.iter_raw():
-                if not received and chunk:
-                    os.killpg(pid, signal.SIGKILL)  # the first piece is in: vLLM dies
-                received += chunk
-        last = [e for e in bytes(received).split(b"\n\n") if e][-1]
-        error: dict[str, Any] = json.loads(last.removeprefix(b"data: "))["error"]
-        assert error["type"] == "backend_unavailable" and "vLLM exited" in error["message"]
-        assert lb.worker.wait(30) == 1
-        assert lb.worker.vllm_processes_left() == []
+    # vLLM dies mid-stream: the stream ends with an error event, health turns 503, exit 1.
+    [pid] = lb.worker.vllm_pids()
+    received = bytearray()
+    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=60, json={
+            **body, "max_tokens": 400}) as response:
+        for chunk in response.iter_raw():
+            if not received and chunk:
+                os.killpg(pid, signal.SIGKILL)  # the first piece is in: vLLM dies
+            received += chunk
+    last = [e for e in bytes(received).split(b"\n\n") if e][-1]
+    error: dict[str, Any] = json.loads(last.removeprefix(b"data: "))["error"]
+    assert error["type"] == "backend_unavailable" and "vLLM exited" in error["message"]
+    assert lb.worker.wait(30) == 1
+    assert lb.worker.vllm_processes_left() == []
 
 
 def test_own_health_port_and_sigterm_with_streams_in_flight(
