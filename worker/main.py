@@ -59,15 +59,19 @@ def setup_logging(masker: SecretMasker, level: str) -> None:
 
 
 def dry_run(builder: Builder, masker: SecretMasker) -> int:
-    """Print the `vllm serve` line that would run (stdout) and where each flag came from."""
+    """Print the `vllm serve` line that would run (stdout), where each flag came from and
+    where the model comes from (the caches are read, as at the start)."""
     try:
-        command = builder.command()
+        command = builder.launch().command
     except ConfigError as exc:
         print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
     print(command.shell_line(masker))
     for flag, source in command.sources.items():
         print(f"  {flag:<40} from {source}", file=sys.stderr)
+    if command.model_sources is not None:
+        for line in command.model_sources.lines():
+            print(f"model source: {masker.mask(line)}", file=sys.stderr)
     for warning in command.warnings:
         print(f"warning: {masker.mask(warning)}", file=sys.stderr)
     return 0
