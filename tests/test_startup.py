@@ -7,7 +7,7 @@ which command, how often, and what the start ends with.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,9 @@ import pytest
 from tests.launches import CATALOG
 from worker.build import Builder
 from worker.config import Launch
-from worker.errors import ConfigError, StartupError
+from worker.errors import ConfigError
+from worker.hub_messages import HubMessage
+from worker.preflight import PreflightResult
 from worker.secrets import SecretMasker
 from worker.settings import Settings
 from worker.startup import HubCheck, Startup
@@ -73,8 +75,8 @@ class Script:
         return process.readiness
 
 
-async def no_hub_problem(launch: Launch) -> StartupError | None:
-    return None
+async def no_hub_problem(launch: Launch, only: Collection[str] | None) -> PreflightResult:
+    return PreflightResult()
 
 
 def startup(env: dict[str, str], script: Script, tmp_path: Path, *,
@@ -123,12 +125,14 @@ async def test_the_hub_saying_no_stops_the_loading_vllm(tmp_path: Path) -> None:
             await loading.wait()  # never set: vLLM is still loading
             return Readiness.HEALTHY
 
-    async def hub_says_no(launch: Launch) -> StartupError | None:
-        return StartupError(f"no such model {launch.command.model}", kind="model_not_found")
+    async def hub_says_no(launch: Launch, only: Collection[str] | None) -> PreflightResult:
+        return PreflightResult((HubMessage("model_not_found",
+                                           f"no such model {launch.command.model}.", "x"),))
 
     script = Loading((Readiness.HEALTHY, []))
     outcome = await startup({}, script, tmp_path, hub_check=hub_says_no).run()
-    assert outcome.error is not None and outcome.error.message == "no such model /models/m"
+    assert outcome.error is not None
+    assert outcome.error.message == "no such model /models/m. Fix: x"
     assert script.launches[0].stopped
 
 

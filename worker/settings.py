@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.errors import ConfigError
+from worker.values import parse_bool
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,13 @@ def _text(text: str) -> str:
     return text
 
 
+def _bool(text: str) -> bool:
+    value = parse_bool(text)
+    if value is None:
+        raise ValueError("must be true or false (or 1/0, yes/no, on/off)")
+    return value
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_PORT", "vllm_port", 18000, _port,
             "Port of vLLM's API on 127.0.0.1, inside the container (never exposed)."),
@@ -144,6 +152,15 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds the pre-flight check of the model, tokenizer and LoRA repos on Hugging "
             "Face may take (exists, access, revision); no answer in time only logs a warning; "
             "0 turns the check off."),
+    Setting("HUB_RETRY_TIMEOUT", "hub_retry_timeout", 15.0, _non_negative_float,
+            "Seconds the worker keeps asking an unreachable Hub (refused, no answer, 5xx) for a "
+            "model that is not cached, 1, 2, 4 and 8 s apart, before it answers a job with "
+            "`hub_unreachable` and exits for a fresh worker; 0 gives up at the first failure."),
+    Setting("WORKER_PREFETCH", "prefetch", True, _bool,
+            "Download the files vLLM will read of a model that is not cached from the start, "
+            "beside vLLM's own start-up (false: vLLM downloads them itself, later)."),
+    Setting("WORKER_PROGRESS_INTERVAL", "progress_interval", 10.0, _positive_float,
+            "Seconds between two log lines on a download's progress during the start."),
     Setting("BASE_PATH", "base_path", "/runpod-volume", _text,
             "Where a network volume is mounted; vLLM's compile cache goes to "
             "BASE_PATH/vllm-cache when it is writable and has room."),
@@ -195,6 +212,9 @@ class Settings:
     drain_timeout: float = 30.0
     prestart_failed_wait: float = 60.0
     hub_check_timeout: float = 15.0
+    hub_retry_timeout: float = 15.0
+    prefetch: bool = True
+    progress_interval: float = 10.0
     base_path: str = "/runpod-volume"
     volume_cache_min_free_gib: float = 1.0
     log_level: str = "INFO"
