@@ -133,16 +133,20 @@ def test_gen_readme_check_fails_on_a_stale_table(monkeypatch: pytest.MonkeyPatch
     stale = tmp_path / "README.md"
     row = "| `MAX_CONCURRENCY` | `30` |"
     stale.write_text(readme().replace(row, row.replace("30", "3")))
-    monkeypatch.setattr(module, "README", stale)
+    monkeypatch.setattr(module, "PAGE", stale)
     assert module.main(["--check"]) == 1
     assert module.main([]) == 0
     assert stale.read_text() == readme()
 
 
-def test_settings_table_has_one_row_per_setting() -> None:
-    section = readme().split("<!-- settings:start -->")[1].split("<!-- settings:end -->")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == [s.env for s in SETTINGS]
+@pytest.mark.parametrize(("marker", "internal"), [("settings", False),
+                                                  ("internal-settings", True)])
+def test_each_settings_table_has_one_row_per_setting(marker: str, internal: bool) -> None:
+    table = readme().split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [s.env for s in SETTINGS
+                                                   if s.internal is internal]
+    assert "| `None` |" not in table and "(unset)" not in table
 
 
 # -- examples that must match the code -----------------------------------------------------
