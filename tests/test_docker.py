@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from tests import docs
 from tests.conftest import load_script
 from tests.worker_process import base_env
 from worker.command import ALIASES, COLLIDING_NAMES, RETIRED, build_command
@@ -319,10 +320,15 @@ def test_every_copied_file_is_in_the_build_context() -> None:
 
 
 def readme_docker_builds() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    """The docs' ``docker build`` commands (Option 1's, then Option 2's), each once."""
     starts = {"docker", "HF_TOKEN=hf_..."}
-    return [shlex.split(line.strip()) for line in text.splitlines()
-            if "docker build" in line and line.strip().split(" ", 1)[0] in starts]
+    builds: list[list[str]] = []
+    for block in docs.blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.strip()) if "docker build" in line else []
+            if words and words[0] in starts and words not in builds:
+                builds.append(words)
+    return builds
 
 
 def test_readme_docker_builds_use_only_what_the_dockerfile_declares() -> None:

@@ -3,8 +3,8 @@
 These are the knobs of the worker itself (ports, concurrency, timeouts, stream batching).
 Everything else in the environment that names a `vllm serve` flag is vLLM's business and is
 translated by :mod:`worker.command`. The table :data:`SETTINGS` is the single source of
-truth: the parser, the README's settings tables (scripts/gen_readme.py) and the command
-translator (which must never turn these names into flags) all read it.
+truth: the parser, the settings tables of docs/configuration.md (scripts/gen_docs.py) and the
+command translator (which must never turn these names into flags) all read it.
 """
 
 from __future__ import annotations

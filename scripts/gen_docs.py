@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Rewrite the README's generated tables from the code, so that the two never disagree.
+"""Rewrite the generated tables of docs/configuration.md from the code, so that the two never
+disagree.
 
-    python scripts/gen_readme.py          # rewrite README.md in place
-    python scripts/gen_readme.py --check  # exit 1 (and say which) when README.md is stale
+    python scripts/gen_docs.py          # rewrite docs/configuration.md in place
+    python scripts/gen_docs.py --check  # exit 1 (and say which) when the page is stale
 
 Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; only the
 text between them is replaced. The sources:
@@ -35,7 +36,7 @@ from worker.command import (  # noqa: E402 - after the path set-up above
 )
 from worker.settings import SETTINGS, Setting, format_value  # noqa: E402
 
-PAGE = ROOT / "README.md"
+PAGE = ROOT / "docs" / "configuration.md"
 
 
 def _cell(text: str) -> str:
@@ -122,16 +123,16 @@ def render(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gen_readme.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gen_docs.py", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 when the page is out of date")
     args = parser.parse_args(argv)
     current = PAGE.read_text(encoding="utf-8")
     wanted = render(current)
-    name = PAGE.name
+    name = f"{PAGE.parent.name}/{PAGE.name}"
     if args.check:
         if wanted != current:
-            print(f"{name} is out of date: run python scripts/gen_readme.py", file=sys.stderr)
+            print(f"{name} is out of date: run python scripts/gen_docs.py", file=sys.stderr)
             return 1
         return 0
     if wanted != current:
