@@ -1,6 +1,6 @@
-"""The examples (examples/*.py) and the README's job commands, run for real.
+"""The examples (examples/*.py) and the docs' job commands, run for real.
 
-One worker serves the module, started the way the README says: ``start.sh`` with
+One worker serves the module, started the way docs/deploy.md says: ``start.sh`` with
 ``WORKER_MODE=local``, i.e. the runpod SDK's local API (on a free port) in front of the CPU
 vLLM serving the tiny model. Every example that has a route there (the ``requests_*``
 scripts: /run, /runsync, /status, /stream) runs as a subprocess with BASE_URL pointing at it.
@@ -34,13 +34,13 @@ from typing import Any
 
 import pytest
 
+from tests import docs
 from tests.conftest import free_port, load_script
 from tests.worker_process import WorkerProcess, base_env
 from worker.routing import parse_job_input
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-README = ROOT / "README.md"
 PLATFORM = "https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID"
 
 #: Examples with a route on the SDK's local API (BASE_URL = the worker's API).
@@ -184,7 +184,7 @@ def test_an_example_reports_a_failed_job_as_the_readme_shows(
     local_worker: LocalWorker, tmp_path: Path
 ) -> None:
     readme_failed = next(
-        json.loads(block) for block in _readme_blocks("json")
+        json.loads(block) for block in docs.blocks("json", docs.job_pages())
         if '"status": "FAILED"' in block
     )
     job = tmp_path / "job.json"
@@ -193,26 +193,23 @@ def test_an_example_reports_a_failed_job_as_the_readme_shows(
     done = run_example("requests_runsync", local_worker.api_url, str(job))
     assert done.returncode == 1, done.stdout
     error = json.loads(done.stderr.strip().removeprefix("job failed: "))
-    # The README's example is this very error (the tests serve MAX_MODEL_LEN=512).
+    # The example of docs/errors.md is this very error (the tests serve MAX_MODEL_LEN=512).
     assert error == json.loads(readme_failed["error"])
 
 
-# -- the README's commands and job inputs, against the same worker ------------------------
-def _readme_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-
-
+# -- the docs' commands and job inputs, against the same worker --------------------------
 #: The address of a load-balancing endpoint (tests/test_e2e_lb.py runs those commands).
 LOAD_BALANCER = "https://$RUNPOD_ENDPOINT_ID.api.runpod.ai"
 
 
 def curl_commands(load_balancer: bool = False) -> list[str]:
-    """The README's curl commands (continuation lines joined): those of the queue routes, or
-    those of a load-balancing endpoint."""
-    commands = []
-    for block in _readme_blocks("bash"):
+    """The docs' curl commands (continuation lines joined), each once: those of the queue
+    routes, or those of a load-balancing endpoint."""
+    commands: list[str] = []
+    for block in docs.blocks("bash", docs.job_pages()):
         for command in block.replace("\\\n", " ").splitlines():
-            if command.strip().startswith("curl ") and (LOAD_BALANCER in command) is load_balancer:
+            if (command.strip().startswith("curl ") and command.strip() not in commands
+                    and (LOAD_BALANCER in command) is load_balancer):
                 commands.append(command.strip())
     return commands
 
@@ -234,9 +231,9 @@ def test_readme_curl_commands_work_against_the_local_api(local_worker: LocalWork
 
 
 def readme_job_inputs() -> list[dict[str, Any]]:
-    """Every JSON block of the README that is a job: ``{"input": {...}}``."""
+    """Every JSON block of the docs that is a job: ``{"input": {...}}``."""
     jobs = []
-    for block in _readme_blocks("json"):
+    for block in docs.blocks("json", docs.job_pages()):
         data = json.loads(block)
         if isinstance(data, dict) and set(data) == {"input"}:
             jobs.append(data)
@@ -269,10 +266,41 @@ def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker
             assert isinstance(result["output"][0], dict | list), result
             # The local API reports a failed job as an output item: there must be none.
             assert "error" not in result["output"][0], (job, result)
-    print(f"{len(jobs)} README jobs in {time.monotonic() - started:.1f} s")
+    print(f"{len(jobs)} jobs of the docs in {time.monotonic() - started:.1f} s")
+
+
+#: How the docs' OpenAI client examples name the endpoint's OpenAI-compatible address.
+OPENAI_BASE_URL = "f\"https://api.runpod.ai/v2/{os.environ['RUNPOD_ENDPOINT_ID']}/openai/v1\""
+
+
+def openai_client_blocks() -> list[str]:
+    """The docs' Python blocks that call an endpoint with the OpenAI client."""
+    return [block for block in docs.blocks("python", docs.job_pages())
+            if OPENAI_BASE_URL in block]
+
+
+@pytest.mark.vllm
+def test_the_docs_openai_client_examples_answer(local_worker: LocalWorker) -> None:
+    """Run as written, with the endpoint's address replaced by vLLM's own /v1 (what the
+    platform's /openai/v1 forwards to)."""
+    blocks = openai_client_blocks()
+    assert blocks  # the README's
+    env = {**base_env(), "RUNPOD_ENDPOINT_ID": "local", "RUNPOD_API_KEY": "unused"}
+    env.pop("PYTHONPATH", None)
+    for block in blocks:
+        code = block.replace(OPENAI_BASE_URL, repr(local_worker.openai_url))
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip(), "no answer printed"
 
 
 # -- fast: URLs, headers and messages, no vLLM and no network -----------------------------
+def test_the_readme_shows_an_openai_client_example() -> None:
+    [block] = [b for b in openai_client_blocks()
+               if b in docs.blocks("python", [docs.README])]
+    compile(block, "README.md", "exec")
+    assert "from openai import OpenAI" in block
 def load_example(name: str) -> ModuleType:
     """The example as a module; its directory is on sys.path meanwhile, as when it runs as a
     script, for its sibling import of examples/_endpoint.py."""
@@ -360,15 +388,15 @@ def test_readme_job_inputs_are_valid_jobs() -> None:
 
 
 def test_examples_are_listed_in_the_readme() -> None:
-    text = README.read_text(encoding="utf-8")
+    text = docs.page("jobs.md")
     for path in sorted(EXAMPLES.glob("[!_]*.py")):  # not _endpoint.py: what they share
         assert f"examples/{path.name}" in text, path.name
 
 
 def test_readme_example_commands_are_the_ones_tested() -> None:
-    """Each `python examples/X.py` line of the README runs above, with the same variables."""
+    """Each `python examples/X.py` line of the docs runs above, with the same variables."""
     scripts = set()
-    for block in _readme_blocks("bash"):
+    for block in docs.blocks("bash", docs.job_pages()):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if "python" not in words[:3] or not any(w.startswith("examples/") for w in words):

@@ -10,7 +10,8 @@ it says. Every branch is table-tested without a process.
 * the Hub did not answer for a model that is not cached (vLLM was stopped) → ask it again
   1, 2, 4, 8 s later, until HUB_RETRY_TIMEOUT, then ``hub_unreachable`` (the worker exits, the
   platform retries); the runner relaunches vLLM as soon as the Hub answers;
-* out of memory while vLLM sized its buffers → one relaunch with a smaller footprint;
+* out of memory while vLLM sized its buffers → one relaunch with a smaller footprint (unless
+  WORKER_OOM_RELAUNCH=false);
 * a full disk with vLLM's cache on the volume → one relaunch with the cache on local disk;
   (what a relaunch changes is read from the command: the flags as they were resolved);
 * any other diagnosed failure (or one a relaunch did not fix) → ``startup_error``;
@@ -146,6 +147,7 @@ def decide(
     *,
     startup_timeout: float,
     hub_retry_timeout: float = 15.0,
+    oom_relaunch: bool = True,
     mask: Callable[[str], str] = str,
 ) -> Decision:
     """What to do after ``attempt`` of ``start``, with ``tried`` relaunches behind it."""
@@ -173,7 +175,8 @@ def decide(
             logs=logs_for_jobs(attempt.log_tail, attempt.exit_code),
         ))
     if not tried:
-        if diagnosis.recoverable_by_smaller_footprint and (smaller := smaller_footprint(start)):
+        if (oom_relaunch and diagnosis.recoverable_by_smaller_footprint
+                and (smaller := smaller_footprint(start))):
             return smaller
         if diagnosis.kind == "disk_full" and start.volume_cache is not None:
             local = {name: value for name, value in start.env.items()

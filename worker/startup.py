@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 
 from worker.build import Builder
@@ -104,6 +104,8 @@ class Startup:
         hub_check: HubCheck | None = None,
         wait_healthy: WaitHealthy | None = None,
         start_download: StartDownload | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.builder = builder
         self.settings = builder.settings
@@ -113,6 +115,8 @@ class Startup:
         self._hub_check = hub_check or self._preflight
         self._wait_healthy = wait_healthy or self._wait_until_healthy
         self._start_download = start_download or self._prefetch
+        self._clock = clock
+        self._sleep = sleep
         self._downloading: set[str] = set()
         self._reporter: asyncio.Task[None] | None = None
         self.process: VllmProcess | None = None
@@ -147,13 +151,14 @@ class Startup:
                 attempt = await self._attempt(self.process, launch, hub)
                 start = Start(env, launch.command, cache.path)
                 decision: Decision | None = self._decide(attempt, start, tried)
+                down_since = self._clock()
                 while isinstance(decision, WaitForHub):
                     assert isinstance(attempt, HubDown)
                     logger.warning("startup: the Hub did not answer for %s; asking again in "
-                                   "%.0f s", ", ".join(t.repo for t, _ in attempt.outage.repos),
+                                   "%g s", ", ".join(t.repo for t, _ in attempt.outage.repos),
                                    decision.delay)
-                    await asyncio.sleep(decision.delay)
-                    down = await self._ask_hub_again(launch, attempt)
+                    await self._sleep(decision.delay)
+                    down = await self._ask_hub_again(launch, attempt, down_since)
                     decision = None if down is None else self._decide(down, start, tried)
                     attempt = down or attempt
                 if decision is None:
@@ -180,15 +185,17 @@ class Startup:
     def _decide(self, attempt: Attempt, start: Start, tried: list[str]) -> Decision:
         return decide(attempt, start, tried, startup_timeout=self.settings.startup_timeout,
                       hub_retry_timeout=self.settings.hub_retry_timeout,
-                      mask=self._masker.mask)
+                      oom_relaunch=self.settings.oom_relaunch, mask=self._masker.mask)
 
-    async def _ask_hub_again(self, launch: Launch, down: HubDown) -> HubDown | None:
-        """The Hub asked again about the repos it did not answer for: still down, or None."""
-        since = time.monotonic() - down.down_for
+    async def _ask_hub_again(
+        self, launch: Launch, down: HubDown, since: float
+    ) -> HubDown | None:
+        """The Hub asked again about the repos it did not answer for (since ``since``): still
+        down, or None."""
         result = await self._hub_check(launch, {target.repo for target, _ in down.outage.repos})
         if result.outage is None:
             return None
-        return HubDown(result.outage, time.monotonic() - since)
+        return HubDown(result.outage, self._clock() - since)
 
     def _build(self, env: dict[str, str]) -> Launch:
         launch = self.builder.launch(env)

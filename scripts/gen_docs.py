@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""Rewrite the README's generated tables from the code, so that the two never disagree.
+"""Rewrite the generated tables of docs/configuration.md from the code, so that the two never
+disagree.
 
-    python scripts/gen_readme.py          # rewrite README.md in place
-    python scripts/gen_readme.py --check  # exit 1 (and say which) when README.md is stale
+    python scripts/gen_docs.py          # rewrite docs/configuration.md in place
+    python scripts/gen_docs.py --check  # exit 1 (and say which) when the page is stale
 
 Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; only the
 text between them is replaced. The sources:
 
-* ``settings``: :data:`worker.settings.SETTINGS` (the worker's own variables);
+* ``settings``: the rows of :data:`worker.settings.SETTINGS` an endpoint sets;
+* ``internal-settings``: its rows the image, the tests and the maintainers' tools set;
 * ``aliases``: :data:`worker.command.ALIASES` (names kept from earlier releases);
 * ``reserved``: the flags the worker pins or refuses (:mod:`worker.command`);
 * ``retired``: :data:`worker.command.RETIRED` (variables of flags vLLM removed).
 
-tests/test_readme.py fails when the README holds anything else than what this prints.
+tests/test_readme.py fails when the page holds anything else than what this prints.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from worker.command import (  # noqa: E402 - after the path set-up above
     PINNED_FLAGS,
     RETIRED,
 )
-from worker.settings import SETTINGS  # noqa: E402
+from worker.settings import SETTINGS, Setting, format_value  # noqa: E402
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "configuration.md"
 
 
 def _cell(text: str) -> str:
@@ -48,19 +50,31 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def _default(value: object) -> str:
-    if value == "":
-        return "(unset)"
-    if isinstance(value, float) and value.is_integer():
-        return f"`{int(value)}`"
-    return f"`{value}`"
+def default_cell(setting: Setting) -> str:
+    """The default as the docs say it: in words where the value would mislead."""
+    return setting.shown_default or f"`{format_value(setting.default)}`"
+
+
+def meaning_cell(setting: Setting) -> str:
+    """The meaning, and for a number what 0 does: a value, or refused with the reason."""
+    if not setting.numeric:
+        return setting.doc
+    refused = setting.zero_refused()
+    zero = f"0 is refused ({refused})" if refused is not None else f"0 {setting.zero}"
+    return f"{setting.doc} {zero}."
+
+
+def _settings_rows(internal: bool) -> list[tuple[str, str, str]]:
+    return [(f"`{s.env}`", default_cell(s), meaning_cell(s))
+            for s in SETTINGS if s.internal is internal]
 
 
 def settings_table() -> str:
-    return _table(
-        ("Variable", "Default", "Meaning"),
-        ((f"`{s.env}`", _default(s.default), s.doc) for s in SETTINGS),
-    )
+    return _table(("Variable", "Default", "Meaning"), _settings_rows(internal=False))
+
+
+def internal_settings_table() -> str:
+    return _table(("Variable", "Default", "Meaning"), _settings_rows(internal=True))
 
 
 def aliases_table() -> str:
@@ -89,6 +103,7 @@ def retired_table() -> str:
 
 SECTIONS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
+    "internal-settings": internal_settings_table,
     "aliases": aliases_table,
     "reserved": reserved_table,
     "retired": retired_table,
@@ -100,7 +115,7 @@ def render(text: str) -> str:
     for name, make in SECTIONS.items():
         start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
         if text.count(start) != 1 or text.count(end) != 1:
-            raise ValueError(f"README.md must hold {start} and {end} once each")
+            raise ValueError(f"{PAGE.name} must hold {start} and {end} once each")
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         text = f"{head}{start}\n{make()}\n{end}{tail}"
@@ -108,20 +123,21 @@ def render(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gen_readme.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gen_docs.py", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help="change nothing; exit 1 when README.md is out of date")
+                        help="change nothing; exit 1 when the page is out of date")
     args = parser.parse_args(argv)
-    current = README.read_text(encoding="utf-8")
+    current = PAGE.read_text(encoding="utf-8")
     wanted = render(current)
+    name = f"{PAGE.parent.name}/{PAGE.name}"
     if args.check:
         if wanted != current:
-            print("README.md is out of date: run python scripts/gen_readme.py", file=sys.stderr)
+            print(f"{name} is out of date: run python scripts/gen_docs.py", file=sys.stderr)
             return 1
         return 0
     if wanted != current:
-        README.write_text(wanted, encoding="utf-8")
-        print("README.md updated", file=sys.stderr)
+        PAGE.write_text(wanted, encoding="utf-8")
+        print(f"{name} updated", file=sys.stderr)
     return 0
 
 
