@@ -48,6 +48,14 @@ def test_dry_run_prints_the_command_and_where_each_flag_came_from() -> None:
     print(f"dry run took {elapsed:.2f} s (a fresh interpreter, no vLLM import)")
 
 
+def test_dry_run_names_the_flag_a_typo_probably_meant() -> None:
+    result = run_worker("--dry-run", env={"MODEL_NAME": "m", "MAX_MODEL_LENGTH": "8192"})
+    assert result.returncode == 0, result.stderr
+    assert "--max-model-len" not in result.stdout
+    assert ("warning: MAX_MODEL_LENGTH is ignored: it is no flag of vLLM 0.32.0 and no setting "
+            "of the worker; did you mean MAX_MODEL_LEN (--max-model-len)?") in result.stderr
+
+
 def test_an_api_key_in_extra_args_is_refused_without_echoing_it() -> None:
     result = run_worker("--dry-run", env={
         "MODEL_NAME": "m", "VLLM_EXTRA_ARGS": "--api-key sk-verysecret"})
@@ -132,3 +140,4 @@ def test_test_output_is_compared(expected: list[str], status: int, tmp_path: Pat
 def test_test_input_that_is_no_job_is_refused(tmp_path: Path) -> None:
     done = run_worker("--test_input", '{"prompt": "no input key"}', env={"MODEL_NAME": "m"})
     assert done.returncode == 2 and '{"input": {"prompt": "Hello"}}' in done.stderr
+
