@@ -20,6 +20,8 @@ answered. vLLM's own load dominates; this measures what the worker adds around i
       size divided by bare vLLM's cached start-up time, measured in (a). Time to healthy and
       file bytes fetched; goal ≤ 0.85× bare vLLM (the ideal: the longer of the download and
       vLLM's start-up, plus the load).
+   c. no model in the cache and the Hub refusing connections: bare vLLM's exit, and the worker's
+      answer to a queued job (``hub_unreachable``, at the default HUB_RETRY_TIMEOUT).
 
 Prints figures only; nothing here fails on speed. Needs scripts/setup.sh to have run.
 """
@@ -195,6 +197,36 @@ def _file_bytes(hub: FakeHub, mark: int) -> int:
     return sum(r.sent for r in hub.since(mark) if "/resolve/" in r.path)
 
 
+def no_hub(scratch: Path) -> None:
+    """(c): no model, the Hub refusing connections: how long until each says so."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    argv = [VLLM, "serve", REPO, "--max-model-len", "512", "--enforce-eager", "--dtype",
+            "float32", "--kv-cache-memory-bytes", "64M", "--port", str(port)]
+    started = time.monotonic()
+    bare = WorkerProcess(argv, hub_env(scratch, port, endpoint, scratch / "hf-none"),
+                         log_path=scratch / "bare-nohub.log")
+    code = bare.proc.wait(600)
+    bare_exit = time.monotonic() - started
+    bare.kill()
+    port = free_port()
+    with FakeJobApi() as api:
+        job = api.submit({"prompt": "Hello"})
+        started = time.monotonic()
+        ours = WorkerProcess([PY, "-m", "worker"],
+                             {**api.env(), **hub_env(scratch, port, endpoint, scratch / "hf-none")},
+                             log_path=scratch / "worker-nohub.log")
+        try:
+            record = api.wait_done(job, timeout=600)
+            answered = time.monotonic() - started
+        finally:
+            ours.kill()
+    kind = record.error["type"] if record.error else "no error"
+    print("no model in the cache, the Hub refusing connections")
+    print(f"  bare vllm serve: exits with code {code} after {bare_exit:6.1f} s")
+    print(f"  the worker:      the job answered {kind} after {answered:6.1f} s")
+
+
 def hub_starts(scratch: Path, runs: int, weights_mib: int) -> None:
     files = repo_files(tiny_model(), extra_weight_bytes=weights_mib << 20)
     size = sum(len(data) for data in files.values())
@@ -237,6 +269,7 @@ def main() -> int:
     if args.hub:
         with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
             hub_starts(Path(tmp), args.runs, args.hub_weights_mib)
+            no_hub(Path(tmp))
         return 0
     goals = {"healthy → first job taken": "(goal ≤ 200 ms)",
              "vLLM exit → startup_error answered": "(goal ≤ 500 ms)"}

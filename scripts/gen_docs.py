@@ -12,7 +12,8 @@ text between them is replaced. The sources:
 * ``internal-settings``: its rows the image, the tests and the maintainers' tools set;
 * ``aliases``: :data:`worker.command.ALIASES` (names kept from earlier releases);
 * ``reserved``: the flags the worker pins or refuses (:mod:`worker.command`);
-* ``retired``: :data:`worker.command.RETIRED` (variables of flags vLLM removed).
+* ``retired``: :data:`worker.names.RETIRED` (variables of flags vLLM removed);
+* ``earlier``: :data:`worker.names.EARLIER_NAMES` (names the earlier worker read itself).
 
 tests/test_readme.py fails when the page holds anything else than what this prints.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +33,8 @@ from worker.command import (  # noqa: E402 - after the path set-up above
     ALIASES,
     FORBIDDEN_FLAGS,
     PINNED_FLAGS,
-    RETIRED,
 )
+from worker.names import EARLIER_NAMES, RETIRED  # noqa: E402
 from worker.settings import SETTINGS, Setting, format_value  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
@@ -94,11 +95,17 @@ def reserved_table() -> str:
     return _table(("Flag", "Why the environment cannot set it"), rows)
 
 
+def _advice_table(names: Mapping[str, str]) -> str:
+    return _table(("Variable", "Instead"),
+                  ((f"`{var}`", advice) for var, advice in sorted(names.items())))
+
+
 def retired_table() -> str:
-    return _table(
-        ("Variable", "Instead"),
-        ((f"`{var}`", advice) for var, advice in sorted(RETIRED.items())),
-    )
+    return _advice_table(RETIRED)
+
+
+def earlier_table() -> str:
+    return _advice_table(EARLIER_NAMES)
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
@@ -107,6 +114,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "aliases": aliases_table,
     "reserved": reserved_table,
     "retired": retired_table,
+    "earlier": earlier_table,
 }
 
 

@@ -206,8 +206,9 @@ def test_a_slow_download_is_shown_in_the_log_and_the_load_balancers_503(
         gets = file_gets(hub.requests)
     downloading = [e for e in seen if e["phase"] == "downloading"]
     assert downloading, seen
-    [download] = downloading[-1]["downloads"]  # type: ignore[misc]
-    assert download["repo"] == REPO and download["bytes_total"] == total
+    downloads = downloading[-1]["downloads"]
+    assert isinstance(downloads, list) and len(downloads) == 1
+    assert downloads[0]["repo"] == REPO and downloads[0]["bytes_total"] == total
     assert str(downloading[-1]["message"]).startswith(
         f"vLLM is still starting (downloading {REPO}: ")
     lines = [line for line in log.splitlines() if f"startup: downloading {REPO}: " in line]

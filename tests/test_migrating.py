@@ -10,9 +10,6 @@ catalog of vLLM 0.32):
 * ``vLLM's environment``: no flag, no setting, and it reaches vLLM's process;
 * ``warning``: the start warns, naming the field and the names the row's notes give;
 * ``ignored``: no flag, no setting and no warning (nothing to replace it with).
-
-A row marked ``<!-- pending: ... -->`` is a warning another change brings (issue 21, item 3);
-until it lands the field must at least be no flag.
 """
 
 from __future__ import annotations
@@ -38,10 +35,6 @@ class Row:
     field: str
     here: str
     notes: str
-
-    @property
-    def pending(self) -> bool:
-        return "<!-- pending:" in self.notes
 
     def __str__(self) -> str:
         return self.field
@@ -104,8 +97,6 @@ def test_the_reference_forms_fields_do_what_migrating_says(row: Row) -> None:
         assert launch.env[row.field] == sample(row.field)
     elif row.here == "warning":
         warnings = warned(launch, row.field)
-        if row.pending and not warnings:
-            return  # until the change that warns lands: ignored, and no flag (above)
         assert warnings, row
         for name in re.findall(r"`([A-Z][A-Z0-9_]{2,})", row.notes):
             assert any(name in warning for warning in warnings), (row, name, warnings)
