@@ -26,7 +26,7 @@ What it writes (the layout of a Hugging Face Whisper checkpoint):
   one ``<|xx|>`` per language Whisper knows, ``<|translate|>``, ``<|transcribe|>``,
   ``<|startoflm|>``, ``<|startofprev|>``, ``<|nospeech|>``, ``<|notimestamps|>`` (no
   timestamp tokens: ``verbose_json`` is not served by this model).
-* ``preprocessor_config.json``: Whisper's feature extractor (80 mel bins, 16 kHz, hop 160,
+* ``processor_config.json``: Whisper's feature extractor (80 mel bins, 16 kHz, hop 160,
   30 s chunks), so ``AutoProcessor`` loads a ``WhisperProcessor`` as vLLM expects.
 * ``generation_config.json``: only the token ids, so vLLM takes no sampling defaults from it.
 """
