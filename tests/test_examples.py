@@ -480,4 +480,6 @@ def test_readme_example_commands_are_the_ones_tested() -> None:
             assert assignments <= {"BASE_URL"}, line
             [script] = [w for w in words if w.startswith("examples/")]
             scripts.add(Path(script).stem)
-    assert scripts == set(LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
+    # (The speech example's commands are docs/speech-to-text.md's, run above; the README may
+    # name it too.)
+    assert scripts - {SPEECH_EXAMPLE} == set(LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
