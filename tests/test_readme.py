@@ -44,6 +44,13 @@ SOAK_TEST = "tests/test_soak.py"
 #: first block's two: tests/test_run_local.py runs scripts/run_local.sh, .ci/run runs
 #: scripts/test.sh.
 COVERAGE: dict[str, str] = {
+    "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/audio/transcriptions -H "
+    "\"Authorization: Bearer $RUNPOD_API_KEY\" -F file=@speech.wav -F language=en":
+        "tests/test_e2e_speech.py::test_an_upload_through_the_load_balancer_arrives_intact",
+    "python examples/requests_transcribe.py speech.wav --language en":
+        f"{EXAMPLES_TEST}::test_the_speech_docs_python_prints_vllms_transcription",
+    "python examples/requests_transcribe.py speech.wav --language en --stream":
+        f"{EXAMPLES_TEST}::test_the_speech_docs_python_prints_vllms_transcription",
     "curl -s http://127.0.0.1:8000/runsync -H 'Content-Type: application/json' "
     "-d '{\"input\": {\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
         f"{EXAMPLES_TEST}::test_readme_curl_commands_work_against_the_local_api",
