@@ -3,7 +3,7 @@
 One queue worker serves the module (``python -m worker`` under the real SDK loop, against the
 fake job API), with a byte recorder between it and vLLM (``VLLM_BASE_URL``): each job's answer
 is compared with the bytes vLLM sent for it, and the form the worker sent with the WAV. The
-same form is also sent to vLLM directly, by another client (httpx's own multipart), for the
+same form is also sent to vLLM directly, not through the worker, for the
 same transcription. The last test runs a worker in load-balancer mode and sends the upload
 through its relay.
 """
@@ -86,7 +86,7 @@ def form_job(route: str = TRANSCRIPTIONS, **form: Any) -> dict[str, Any]:
 
 
 def direct(speech: Speech, route: str, form: dict[str, str]) -> httpx.Response:
-    """The same form sent to vLLM itself, encoded by httpx instead of the worker."""
+    """The same form sent to vLLM itself, not through the worker."""
     return httpx.post(speech.serving.vllm_url + route, data=form, timeout=120,
                       files={"file": ("sine.wav", WAV, "audio/wav")})
 

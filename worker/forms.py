@@ -8,9 +8,9 @@ an HTML form with the audio file, not JSON. A job cannot carry a form, so it nam
      "files": {"file": {"data": "<base64>", "filename": "a.wav", "content_type": "audio/wav"}}}
 
 :func:`parse_form` turns those two fields into a :class:`Form` (the file's bytes decoded,
-every value a string) or an InvalidRequest naming the field; :func:`encode_form` writes the
-request body. Both are pure. The worker fetches nothing on a job's behalf: a file's bytes are
-in the job, or there is no file.
+every value a string) or an InvalidRequest naming the field; :func:`httpx_parts` hands it to
+httpx, whose encoder writes the request body. Both are pure. The worker fetches nothing on a
+job's behalf: a file's bytes are in the job, or there is no file.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import binascii
 import json
 import math
 import re
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,6 @@ _FILE_KEYS = ("data", "filename", "content_type")
 # A MIME type with optional parameters: printable ASCII, no line breaks (a part's header).
 _MIME_TYPE = re.compile(r"[!-~]+/[!-~]+( *;[ -~]*)?")
 _WHITESPACE = re.compile(rb"[ \t\r\n]")
-# What a multipart header must not hold as is (WHATWG's form encoding: ", CR and LF).
-_HEADER_ESCAPES = {'"': "%22", "\r": "%0D", "\n": "%0A"}
 
 
 @dataclass(frozen=True)
@@ -211,44 +208,16 @@ def _content_type(content_type: object, field: str) -> str:
 
 
 # -- the request body ---------------------------------------------------------------------
-def encode_form(form: Form, boundary: str | None = None) -> tuple[bytes, str]:
-    """The multipart/form-data body of ``form`` and its Content-Type (RFC 7578).
+def httpx_parts(form: Form) -> dict[str, Any]:
+    """The ``data`` and ``files`` arguments with which httpx writes the form's body.
 
-    ``boundary`` is drawn at random unless given (tests); a drawn one never occurs in the
-    form's values or files.
+    httpx's own encoder writes multipart/form-data (RFC 7578, its boundary drawn at random,
+    names and file names escaped as browsers do) when the form has a file, and a urlencoded
+    form when it has none (which vLLM's form routes read alike). A field given several times
+    keeps each value, in order.
     """
-    if boundary is None:
-        boundary = secrets.token_hex(16)
-        while _occurs(boundary, form):
-            boundary = secrets.token_hex(16)
-    delimiter = f"--{boundary}\r\n".encode()
-    parts: list[bytes] = []
+    data: dict[str, list[str]] = {}
     for name, value in form.fields:
-        parts += [delimiter, _disposition(name), b"\r\n", value.encode(), b"\r\n"]
-    for file in form.files:
-        parts += [
-            delimiter,
-            _disposition(file.field, file.filename),
-            f"Content-Type: {file.content_type}\r\n\r\n".encode(),
-            file.data,
-            b"\r\n",
-        ]
-    parts.append(f"--{boundary}--\r\n".encode())
-    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
-
-
-def _occurs(boundary: str, form: Form) -> bool:
-    marker = boundary.encode()
-    return any(marker in file.data for file in form.files) or any(
-        boundary in value for _, value in form.fields)
-
-
-def _disposition(name: str, filename: str | None = None) -> bytes:
-    line = f'Content-Disposition: form-data; name="{_escape(name)}"'
-    if filename is not None:
-        line += f'; filename="{_escape(filename)}"'
-    return (line + "\r\n").encode()
-
-
-def _escape(text: str) -> str:
-    return "".join(_HEADER_ESCAPES.get(char, char) for char in text)
+        data.setdefault(name, []).append(value)
+    files = [(file.field, (file.filename, file.data, file.content_type)) for file in form.files]
+    return {"data": data, "files": files}

@@ -39,7 +39,7 @@ from worker.errors import (
     VllmError,
     WorkerError,
 )
-from worker.forms import encode_form
+from worker.forms import httpx_parts
 from worker.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input
 from worker.settings import Settings
 
@@ -326,13 +326,11 @@ class Proxy:
 
     async def _forward(self, request: VllmRequest) -> AsyncIterator[Any]:
         client = self._get_client()
-        content, content_type = _content(request)
         outgoing = client.build_request(
             request.method,
             # An absolute URL: merging with a base_url re-parses both on every request.
             httpx.URL(self._base_url + request.route),
-            content=content,
-            headers={"content-type": content_type} if content_type is not None else None,
+            **_body(request),
         )
         response = await self._send(outgoing)
         try:
@@ -423,13 +421,14 @@ class Proxy:
         return VllmError(message, code=response.status_code, vllm=detail)
 
 
-def _content(request: VllmRequest) -> tuple[bytes | None, str | None]:
-    """The request's body and its Content-Type: a form, JSON, or nothing."""
+def _body(request: VllmRequest) -> dict[str, Any]:
+    """httpx's arguments for the request's body: a form, JSON, or nothing."""
     if request.form is not None:
-        return encode_form(request.form)
+        return httpx_parts(request.form)
     if request.body is not None:
-        return json.dumps(request.body).encode(), "application/json"
-    return None, None
+        return {"content": json.dumps(request.body).encode(),
+                "headers": {"content-type": "application/json"}}
+    return {}
 
 
 def _first_model_id(response: httpx.Response) -> str | None:
