@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
+from worker.adapters import adapter_sources, missing_adapter_folder
 from worker.build import Builder
 from worker.config import Launch, VllmCommand
 from worker.diagnosis import diagnose
@@ -100,6 +101,8 @@ class Startup:
         self._wait_healthy = wait_healthy or self._wait_until_healthy
         self.process: VllmProcess | None = None
         """The vLLM of the latest attempt (stopped by the runner at the end)."""
+        self.launch: Launch | None = None
+        """The launch of the latest attempt (what its vLLM was started with)."""
 
     async def run(self) -> StartOutcome:
         """Start vLLM until it is healthy or the policy gives up; never raises a WorkerError."""
@@ -118,11 +121,17 @@ class Startup:
             return StartOutcome(exc)
         if (missing := missing_baked_model(launch.command)) is not None:
             return StartOutcome(missing, launch.command)
+        adapters = adapter_sources(launch)
+        for warning in adapters.warnings:
+            logger.warning("%s", warning)
+        if (no_folder := missing_adapter_folder(adapters)) is not None:
+            return StartOutcome(no_folder, launch.command)
 
         hub: asyncio.Task[StartupError | None] = asyncio.create_task(self._hub_check(launch))
         tried: list[str] = []
         try:
             while True:
+                self.launch = launch
                 self.process = self._spawn(launch)
                 attempt = await self._attempt(self.process, launch, hub)
                 decision = decide(
