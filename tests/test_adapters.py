@@ -8,6 +8,7 @@ bodies below are vLLM's, copied from it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -348,3 +349,42 @@ async def test_the_job_gets_the_explanation_with_vllms_status_and_error(tmp_path
     # Without adapter sources (a stand-in proxy), vLLM's message as it was.
     plain = await job_error(None, "nope", 404, body)
     assert plain["message"] == "The model `nope` does not exist. Valid aliases: tiny."
+
+
+# -- docs/adapters.md --------------------------------------------------------------------------
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "adapters.md"
+#: The names the page's examples send, in the page's order.
+EXAMPLE_NAMES = ("support", "acme/adapters/support")
+
+
+def page_blocks(kind: str) -> list[str]:
+    return re.findall(rf"^```{kind}\n(.*?)^```", PAGE.read_text(), re.M | re.S)
+
+
+def page_sources() -> AdapterSources:
+    """The settings the page's variable blocks set, together."""
+    env = dict(line.split("=", 1) for block in page_blocks("text") if "VLLM_" in block
+               for line in block.splitlines() if "=" in line)
+    return sources_of(env)
+
+
+def test_the_pages_examples_are_what_the_worker_answers() -> None:
+    sources = page_sources()
+    examples = [json.loads(block) for block in page_blocks("json") if "vllm_error" in block]
+    assert len(examples) == len(EXAMPLE_NAMES)
+    folder = sources.folder
+    assert folder is not None
+
+    def nothing_there(name: str) -> FolderLook:
+        return FolderLook(str(Path(folder) / name), "missing")
+
+    for name, example in zip(EXAMPLE_NAMES, examples, strict=True):
+        assert sources.explain(example["code"], example["vllm"], name,
+                               nothing_there) == example["message"]
+    relayed = [json.loads(block) for block in page_blocks("json") if block.startswith('{"error"')]
+    assert relayed == [{"error": examples[0]["vllm"]}]  # lb mode: vLLM's object as it is
+    text = " ".join(PAGE.read_text().split())
+    summary = sources.summary()
+    assert summary is not None and summary in text
+    error = missing_adapter_folder(sources, is_dir=lambda _: False)
+    assert error is not None and error.message in text

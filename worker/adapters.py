@@ -241,12 +241,12 @@ class AdapterSources:
         return f"vLLM found the adapter {name!r} {where} but could not load it. Fix: {fix}"
 
     def _resolver_failed(self, name: str, message: str, look: FolderLook | None) -> str | None:
-        said = _SPACES.sub(" ", message).strip()[:400]
+        said = _gist(message)
         if look is not None and look.state == "unreadable":
             return (
                 f"vLLM's filesystem resolver could not read {look.config} for the adapter "
                 f"{name!r}: {look.detail}. Fix: write adapter_config.json as PEFT saves it "
-                f"(with peft_type and base_model_name_or_path). vLLM: {said}"
+                f"(with peft_type and base_model_name_or_path). vLLM: {said}."
             )
         repo = self.hub_repo_of(name)
         if repo is None or repo not in message:
@@ -264,6 +264,16 @@ class AdapterSources:
         )
 
 
+def _gist(message: str, limit: int = 300) -> str:
+    """The first two lines of an exception's message (huggingface_hub's: the status, then
+    what failed; its advice follows), at most ``limit`` characters, without a last full stop."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    gist = _SPACES.sub(" ", " ".join(lines[:2]))
+    if len(gist) > limit:
+        gist = gist[:limit].rsplit(" ", 1)[0] + " ..."
+    return gist.rstrip(".")
+
+
 def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names)
 
@@ -274,20 +284,22 @@ def _message_of(vllm: Any) -> str:
     return str(vllm) if vllm is not None else ""
 
 
+#: What ``<folder>/<name>`` held, by :attr:`FolderLook.state`, as a clause of the job's error.
+_FOLDER_CLAUSES = {
+    "missing": "there is no {path}",
+    "no_config": "{path} has no adapter_config.json",
+    "unreadable": "{config} cannot be read: {detail}",
+    "not_lora": "{config} says peft_type {detail!r}, and vLLM loads LORA adapters only",
+    "other_base": ("{config} names the base model {detail!r} (base_model_name_or_path), and "
+                   "vLLM takes an adapter only for the model it serves, named exactly as "
+                   "--model names it: {base!r}"),
+    "adapter": "{path} holds an adapter of this model now (written after vLLM looked?)",
+}
+
+
 def _folder_clause(look: FolderLook, base_model: str | None) -> str:
-    if look.state == "missing":
-        return f"there is no {look.path}"
-    if look.state == "no_config":
-        return f"{look.path} has no adapter_config.json"
-    if look.state == "unreadable":
-        return f"{look.config} cannot be read: {look.detail}"
-    if look.state == "not_lora":
-        return f"{look.config} says peft_type {look.detail!r}, and vLLM loads LORA adapters only"
-    if look.state == "other_base":
-        return (f"{look.config} names the base model {look.detail!r} "
-                f"(base_model_name_or_path), and vLLM takes an adapter only for the model it "
-                f"serves, named exactly as --model names it: {base_model!r}")
-    return f"{look.path} holds an adapter of this model now (written after vLLM looked?)"
+    return _FOLDER_CLAUSES[look.state].format(path=look.path, config=look.config,
+                                              detail=look.detail, base=base_model)
 
 
 def _folder_fix(look: FolderLook, base_model: str | None) -> str:
