@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,3 +97,26 @@ def exit_unless_completed(result: dict[str, Any], job_id: str = "") -> None:
     if result["status"] != "COMPLETED":
         # A failed job's "error" is JSON text: {"type": ..., "message": ..., "code": ...}.
         sys.exit(f"job {job_id or result['id']} {result['status']}: {result.get('error')}")
+
+
+def stream_pieces(session: requests.Session, base_url: str, job_id: str) -> Iterator[str]:
+    """Each piece of a streamed job's output, from /stream/<id> until the job is done; exits
+    with the job's error if it failed."""
+    while True:
+        result = check(session, f"{base_url}/stream/{job_id}")
+        for piece in result.get("stream") or []:
+            fail_if_error(piece["output"])
+            yield piece["output"]
+        if result["status"] in TERMINAL:
+            break
+        time.sleep(0.5)
+    exit_unless_completed(result, job_id)
+
+
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """The JSON events in a piece of SSE text (the final "data: [DONE]" is skipped)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            found.append(json.loads(line[5:]))
+    return found

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from _endpoint import TERMINAL, check, endpoint_from_env, exit_unless_completed, fail_if_error
+from _endpoint import endpoint_from_env, sse_events, stream_pieces
 
 DEFAULT_JOB: dict[str, Any] = {
     "input": {
@@ -28,15 +27,6 @@ DEFAULT_JOB: dict[str, Any] = {
         "stream": True,
     }
 }
-
-
-def events(text: str) -> list[dict[str, Any]]:
-    """The JSON events in a piece of SSE text (the final "data: [DONE]" is skipped)."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith("data:") and line[5:].strip() != "[DONE]":
-            found.append(json.loads(line[5:]))
-    return found
 
 
 def main() -> None:
@@ -51,21 +41,14 @@ def main() -> None:
 
     pieces = 0
     usage: dict[str, Any] = {}
-    while True:
-        result = check(session, f"{base_url}/stream/{job_id}")
-        for piece in result.get("stream") or []:
-            pieces += 1
-            fail_if_error(piece["output"])
-            for event in events(piece["output"]):
-                for choice in event.get("choices") or []:
-                    delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
-                    print(delta, end="", flush=True)
-                usage = event.get("usage") or usage
-        if result["status"] in TERMINAL:
-            break
-        time.sleep(0.5)
+    for piece in stream_pieces(session, base_url, job_id):
+        pieces += 1
+        for event in sse_events(piece):
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
+                print(delta, end="", flush=True)
+            usage = event.get("usage") or usage
     print()
-    exit_unless_completed(result, job_id)
     print(f"[pieces={pieces}, completion_tokens={usage.get('completion_tokens')}]")
 
 

@@ -9,6 +9,19 @@ answered. vLLM's own load dominates; this measures what the worker adds around i
    with ``startup_error`` (diagnosis and answer; goal ≤ 0.5 s).
 3. With ``--compile-cache``: two starts without --enforce-eager sharing one VLLM_CACHE_ROOT,
    to show what a compile cache kept on the volume saves on the next cold start.
+4. With ``--hub``: the tiny model as the repo ``acme/tiny`` of the stand-in Hub
+   (tests/fake_hub.py), side by side with bare ``vllm serve acme/tiny`` (what the reference
+   worker runs) on the same Hub, in the same run, the two interleaved:
+
+   a. a cached start (the model in the cache, the Hub answering each request in 0.25 s):
+      requests to the Hub and time to healthy;
+   b. a cold start whose download lasts about as long as vLLM's own start-up: the weights
+      padded to ``--hub-weights-mib`` (tests/hub_model.py) and the bandwidth capped to that
+      size divided by bare vLLM's cached start-up time, measured in (a). Time to healthy and
+      file bytes fetched; goal ≤ 0.85× bare vLLM (the ideal: the longer of the download and
+      vLLM's start-up, plus the load).
+   c. no model in the cache and the Hub refusing connections: bare vLLM's exit, and the worker's
+      answer to a queued job (``hub_unreachable``, at the default HUB_RETRY_TIMEOUT).
 
 Prints figures only; nothing here fails on speed. Needs scripts/setup.sh to have run.
 """
@@ -28,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.conftest import free_port  # noqa: E402
+from tests.fake_hub import FakeHub  # noqa: E402
 from tests.fake_job_api import FakeJobApi  # noqa: E402
+from tests.hub_model import REPO, repo_files  # noqa: E402
 from tests.worker_process import WorkerProcess  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -134,11 +149,128 @@ def show(title: str, figures: dict[str, float], goals: dict[str, str]) -> None:
         print(f"  {name:<38} {seconds * 1000:9.0f} ms  {goal}")
 
 
+# -- from a Hub ------------------------------------------------------------------------------
+def hub_env(scratch: Path, port: int, endpoint: str, home: Path) -> dict[str, str]:
+    env = {**base_env(scratch, port), "MODEL_NAME": REPO, "HF_ENDPOINT": endpoint,
+           "HF_HOME": str(home), "BASE_PATH": str(scratch / "no-volume")}
+    del env["HF_HUB_OFFLINE"]
+    return env
+
+
+def time_to_healthy(argv: list[str], env: dict[str, str], port: int, log: Path) -> float:
+    """Seconds from the spawn to vLLM's /health answering 200."""
+    started = time.monotonic()
+    process = WorkerProcess(argv, env, log_path=log)
+    try:
+        while not healthy(port):
+            if process.proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited:\n" + process.log()[-3000:])
+            time.sleep(0.01)
+        return time.monotonic() - started
+    finally:
+        process.kill()
+
+
+def bare_vllm(scratch: Path, hub: FakeHub, home: Path, tag: str) -> tuple[float, int, int]:
+    """Bare `vllm serve acme/tiny`: seconds to healthy, Hub requests, file bytes fetched."""
+    port = free_port()
+    env = hub_env(scratch, port, hub.url, home)
+    argv = [VLLM, "serve", REPO, "--max-model-len", "512", "--enforce-eager", "--dtype",
+            "float32", "--kv-cache-memory-bytes", "64M", "--port", str(port)]
+    mark = hub.count()
+    seconds = time_to_healthy(argv, env, port, scratch / f"bare-{tag}.log")
+    return seconds, len(hub.since(mark)), _file_bytes(hub, mark)
+
+
+def worker(scratch: Path, hub: FakeHub, home: Path, tag: str) -> tuple[float, int, int]:
+    """The worker (queue mode) serving acme/tiny: the same figures."""
+    port = free_port()
+    mark = hub.count()
+    with FakeJobApi() as api:
+        seconds = time_to_healthy([PY, "-m", "worker"],
+                                  {**api.env(), **hub_env(scratch, port, hub.url, home)}, port,
+                                  scratch / f"worker-{tag}.log")
+    return seconds, len(hub.since(mark)), _file_bytes(hub, mark)
+
+
+def _file_bytes(hub: FakeHub, mark: int) -> int:
+    return sum(r.sent for r in hub.since(mark) if "/resolve/" in r.path)
+
+
+def no_hub(scratch: Path) -> None:
+    """(c): no model, the Hub refusing connections: how long until each says so."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    argv = [VLLM, "serve", REPO, "--max-model-len", "512", "--enforce-eager", "--dtype",
+            "float32", "--kv-cache-memory-bytes", "64M", "--port", str(port)]
+    started = time.monotonic()
+    bare = WorkerProcess(argv, hub_env(scratch, port, endpoint, scratch / "hf-none"),
+                         log_path=scratch / "bare-nohub.log")
+    code = bare.proc.wait(600)
+    bare_exit = time.monotonic() - started
+    bare.kill()
+    port = free_port()
+    with FakeJobApi() as api:
+        job = api.submit({"prompt": "Hello"})
+        started = time.monotonic()
+        ours = WorkerProcess([PY, "-m", "worker"],
+                             {**api.env(), **hub_env(scratch, port, endpoint, scratch / "hf-none")},
+                             log_path=scratch / "worker-nohub.log")
+        try:
+            record = api.wait_done(job, timeout=600)
+            answered = time.monotonic() - started
+        finally:
+            ours.kill()
+    kind = record.error["type"] if record.error else "no error"
+    print("no model in the cache, the Hub refusing connections")
+    print(f"  bare vllm serve: exits with code {code} after {bare_exit:6.1f} s")
+    print(f"  the worker:      the job answered {kind} after {answered:6.1f} s")
+
+
+def hub_starts(scratch: Path, runs: int, weights_mib: int) -> None:
+    files = repo_files(tiny_model(), extra_weight_bytes=weights_mib << 20)
+    size = sum(len(data) for data in files.values())
+    with FakeHub() as hub:
+        hub.add(REPO, files)
+        cached = scratch / "hf-cached"
+        bare_vllm(scratch, hub, cached, "fill")  # fills the cache both cached starts read
+        hub.latency = 0.25
+        startups = []
+        for run in range(1, runs + 1):
+            bare = bare_vllm(scratch, hub, cached, f"cached-{run}")
+            ours = worker(scratch, hub, cached, f"cached-{run}")
+            startups.append(bare[0])
+            print(f"cached start, run {run} (each Hub request 0.25 s)")
+            print(f"  bare vllm serve: healthy after {bare[0]:6.1f} s, {bare[1]:3d} Hub requests")
+            print(f"  the worker:      healthy after {ours[0]:6.1f} s, {ours[1]:3d} Hub requests "
+                  f"({ours[0] / bare[0]:.2f}x)")
+        hub.latency = 0.0
+        startup = sorted(startups)[len(startups) // 2]
+        hub.bandwidth = size / startup
+        print(f"cold start: {size / 2**20:.1f} MiB at {hub.bandwidth / 1e3:.0f} kB/s (a "
+              f"{startup:.0f} s download, bare vLLM's cached start-up)")
+        for run in range(1, runs + 1):
+            bare = bare_vllm(scratch, hub, scratch / f"hf-bare-{run}", f"cold-{run}")
+            ours = worker(scratch, hub, scratch / f"hf-worker-{run}", f"cold-{run}")
+            print(f"cold start, run {run}")
+            print(f"  bare vllm serve: healthy after {bare[0]:6.1f} s, {bare[2] / 2**20:6.1f} "
+                  "MiB fetched")
+            print(f"  the worker:      healthy after {ours[0]:6.1f} s, {ours[2] / 2**20:6.1f} "
+                  f"MiB fetched ({ours[0] / bare[0]:.2f}x, goal ≤ 0.85x)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--compile-cache", action="store_true")
+    parser.add_argument("--hub", action="store_true", help="only the starts from a Hub (4)")
+    parser.add_argument("--hub-weights-mib", type=int, default=48)
     args = parser.parse_args()
+    if args.hub:
+        with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
+            hub_starts(Path(tmp), args.runs, args.hub_weights_mib)
+            no_hub(Path(tmp))
+        return 0
     goals = {"healthy → first job taken": "(goal ≤ 200 ms)",
              "vLLM exit → startup_error answered": "(goal ≤ 500 ms)"}
     with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:

@@ -20,3 +20,16 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 bash scripts/install_vllm_cpu.sh .venv-vllm
+
+# The speech-to-text tests (a tiny Whisper) need vLLM to decode WAV uploads: vLLM 0.32 tries
+# torchcodec, then soundfile, then PyAV, and the CPU venv has none of them (install_vllm_cpu.sh
+# removes PyPI's torchcodec, a CUDA build). soundfile is part of vLLM's `audio` extra, which
+# the official image does not install, so it goes here and not into install_vllm_cpu.sh,
+# which also makes the stand-in of the official image for the image tests
+# (docs/speech-to-text.md says what a speech model needs in the image).
+soundfile_version=0.14.0
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('soundfile') != '$soundfile_version')" 2>/dev/null; then
+  echo "setup: installing soundfile==$soundfile_version into .venv-vllm (speech-to-text tests)"
+  .venv-vllm/bin/python -m pip install --quiet "soundfile==$soundfile_version" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "setup: pip failed" >&2; exit 1; }
+fi

@@ -22,8 +22,9 @@ from typing import Protocol
 import pytest
 
 from tests.fake_job_api import FakeJobApi
-from tests.tiny_model import build_tiny_model, scratch_dirs
+from tests.tiny_model import build_tiny_model, build_tiny_whisper, scratch_dirs
 from tests.tiny_model import tiny_env as tiny_env_of
+from tests.tiny_model import whisper_env as whisper_env_of
 from tests.worker_process import WorkerProcess, error_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +175,21 @@ def tiny_env(
 ) -> dict[str, str]:
     """The environment of a worker serving the tiny model on the CPU vLLM (no port yet)."""
     return tiny_env_of(vllm_executable, tiny_model, vllm_scratch)
+
+
+@pytest.fixture(scope="session")
+def tiny_whisper(vllm_python: str) -> Path:
+    """The tiny random Whisper (speech to text), built once per version of its script and
+    cached."""
+    return build_tiny_whisper(vllm_python)
+
+
+@pytest.fixture(scope="session")
+def whisper_env(
+    vllm_executable: str, tiny_whisper: Path, vllm_scratch: dict[str, str]
+) -> dict[str, str]:
+    """The environment of a worker serving the tiny Whisper on the CPU vLLM (no port yet)."""
+    return whisper_env_of(vllm_executable, tiny_whisper, vllm_scratch)
 
 
 @pytest.fixture

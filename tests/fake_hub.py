@@ -59,6 +59,12 @@ class HubRequest:
     sent: int = 0
     """Body bytes sent."""
     query: str = ""
+    agent: str = ""
+    """The User-Agent: huggingface_hub's names the library (``vllm/...``, ``worker-vllm/...``)."""
+
+    @property
+    def by_vllm(self) -> bool:
+        return self.agent.startswith("vllm/")
 
 
 def git_blob_id(data: bytes) -> str:
@@ -408,8 +414,9 @@ class FakeHub:
                     pass  # the client went away (a test stopped it)
                 finally:
                     with hub._lock:
-                        hub.requests.append(HubRequest(self.command, path, status, token, sent,
-                                                       parts.query))
+                        hub.requests.append(HubRequest(
+                            self.command, path, status, token, sent, parts.query,
+                            self.headers.get("User-Agent", "")))
 
             do_GET = _serve
             do_HEAD = _serve

@@ -8,13 +8,13 @@ bodies below are vLLM's, copied from it.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests import docs
 from tests.launches import launch_of
 from tests.test_startup import Script, startup
 from worker.adapters import (
@@ -352,13 +352,13 @@ async def test_the_job_gets_the_explanation_with_vllms_status_and_error(tmp_path
 
 
 # -- docs/adapters.md --------------------------------------------------------------------------
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "adapters.md"
+PAGE = "adapters.md"
 #: The names the page's examples send, in the page's order.
 EXAMPLE_NAMES = ("support", "acme/adapters/support")
 
 
 def page_blocks(kind: str) -> list[str]:
-    return re.findall(rf"^```{kind}\n(.*?)^```", PAGE.read_text(), re.M | re.S)
+    return docs.blocks_of(docs.page(PAGE), kind)
 
 
 def page_sources() -> AdapterSources:
@@ -383,7 +383,7 @@ def test_the_pages_examples_are_what_the_worker_answers() -> None:
                                nothing_there) == example["message"]
     relayed = [json.loads(block) for block in page_blocks("json") if block.startswith('{"error"')]
     assert relayed == [{"error": examples[0]["vllm"]}]  # lb mode: vLLM's object as it is
-    text = " ".join(PAGE.read_text().split())
+    text = " ".join(docs.page(PAGE).split())
     summary = sources.summary()
     assert summary is not None and summary in text
     error = missing_adapter_folder(sources, is_dir=lambda _: False)

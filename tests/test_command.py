@@ -24,6 +24,7 @@ from worker.command import (
 from worker.config import VllmCommand
 from worker.errors import ConfigError
 from worker.flags import Flag, FlagCatalog, packaged_catalog_path
+from worker.names import EARLIER_NAMES, SPECULATIVE_PARTS
 from worker.secrets import SecretMasker
 from worker.settings import WORKER_SETTING_NAMES
 
@@ -192,14 +193,42 @@ def test_the_canonical_name_wins_over_another_long_option_of_the_same_flag() -> 
     assert any(w.startswith("DEVICE_MEMORY_UTILIZATION='0.5' is ignored") for w in command.warnings)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["PATH", "HOME", "MAX_MODEL_LENGTH", "max_model_len", "ENFORCE_EAGERLY", "NO_ENFORCE_EAGER"],
-)
-def test_names_that_are_no_flag_are_ignored_not_guessed(name: str) -> None:
+@pytest.mark.parametrize("name", ["PATH", "HOME", "HOSTNAME", "RUNPOD_POD_ID", "VLLM_HOST_IP"])
+def test_names_that_are_no_flag_are_ignored(name: str) -> None:
     command = build(with_model(**{name: "1"}))
     assert flags(command) == []
     assert command.warnings == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("MAX_MODEL_LENGTH", "MAX_MODEL_LEN (--max-model-len)"),
+        ("max_model_len", "MAX_MODEL_LEN (--max-model-len)"),
+        ("ENFORCE_EAGERLY", "ENFORCE_EAGER (--enforce-eager)"),
+        ("TENSOR_PARALLEL", "TENSOR_PARALLEL_SIZE (--tensor-parallel-size)"),
+        ("MODEL_NAMES", "MODEL_NAME (--model)"),  # an alias
+        ("MAX_CONCURENCY", "MAX_CONCURRENCY (a setting of the worker)"),
+    ],
+)
+def test_a_typo_is_not_guessed_into_a_flag_but_named(name: str, meant: str) -> None:
+    command = build(with_model(**{name: "8192"}))
+    assert flags(command) == []
+    assert command.warnings == (
+        f"{name} is ignored: it is no flag of vLLM test and no setting of the worker; "
+        f"did you mean {meant}?",
+    )
+
+
+def test_an_empty_typo_says_nothing() -> None:
+    assert build(with_model(MAX_MODEL_LENGTH="")).warnings == ()
+
+
+def test_the_negative_of_a_pair_is_set_by_false() -> None:
+    command = build(with_model(NO_ENFORCE_EAGER="1"))
+    assert flags(command) == []
+    assert command.warnings == (
+        "NO_ENFORCE_EAGER is ignored: --no-enforce-eager is set by ENFORCE_EAGER=false",)
 
 
 def test_worker_settings_are_never_flags_even_when_vllm_has_such_a_flag() -> None:
@@ -382,9 +411,43 @@ def test_the_catalog_wins_over_the_retired_table() -> None:
     assert command.warnings == ()
 
 
-def test_retired_names_are_really_absent_from_vllm_0_32() -> None:
+def test_retired_and_earlier_names_are_really_absent_from_vllm_0_32() -> None:
     real = FlagCatalog.load(packaged_catalog_path())
-    assert [name for name in RETIRED if real.by_env_name(name)] == []
+    names = {*RETIRED, *EARLIER_NAMES, *SPECULATIVE_PARTS}
+    assert [name for name in sorted(names) if real.by_env_name(name)] == []
+
+
+@pytest.mark.parametrize("name", ["RAW_OPENAI_OUTPUT", "PREEMPTION_CPU_CAPACITY"])
+def test_earlier_names_warn_with_what_to_do(name: str) -> None:
+    command = build(with_model(**{name: "1"}))
+    assert flags(command) == []
+    [warning] = command.warnings
+    assert warning.startswith(f"{name} is ignored: it is no flag of vLLM test and no setting "
+                              "of this worker (the earlier worker's name); ")
+    assert warning.endswith("remove it")
+
+
+def test_the_speculative_variables_are_one_warning_with_their_config() -> None:
+    command = build(with_model(SPECULATIVE_METHOD="ngram", NUM_SPECULATIVE_TOKENS="3",
+                               NGRAM_PROMPT_LOOKUP_MAX="4", NGRAM_PROMPT_LOOKUP_MIN="2"))
+    assert flags(command) == []
+    assert command.warnings == (
+        "NGRAM_PROMPT_LOOKUP_MAX, NGRAM_PROMPT_LOOKUP_MIN, NUM_SPECULATIVE_TOKENS and "
+        "SPECULATIVE_METHOD are ignored: vLLM test has no such flags (the earlier worker "
+        "assembled vLLM's speculative config from them); set SPECULATIVE_CONFIG="
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\' instead',
+    )
+
+
+def test_the_catalog_wins_over_the_earlier_names_too() -> None:
+    catalog = FlagCatalog(
+        version="future", positionals=("model_tag",),
+        flags=(*SYNTHETIC.flags, _value("--raw-openai-output"), _value("--speculative-model")),
+    )
+    command = build(with_model(RAW_OPENAI_OUTPUT="1", SPECULATIVE_MODEL="org/d"), catalog)
+    assert flags(command) == ["--raw-openai-output", "1", "--speculative-model", "org/d"]
+    assert command.warnings == ()
 
 
 # -- config file ---------------------------------------------------------------------------

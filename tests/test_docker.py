@@ -9,7 +9,8 @@
 * ``scripts/download_model.py`` as a plain script: local folders, a pre-populated offline
   Hugging Face cache, and its errors; the file it writes is read by the worker.
 * ``start.sh``'s modes (``http``: `vllm serve` on 0.0.0.0:$PORT, with ``echo`` as vLLM).
-* ``.runpod/hub.json`` and ``.runpod/tests.json``: every variable is one the worker knows.
+* ``.runpod/hub.json`` and ``.runpod/tests.json``: every variable is one the worker knows, the
+  form's defaults start, and every preset's model fits the smallest GPU pool offered.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import docs
 from tests.conftest import load_script
 from tests.worker_process import base_env
 from worker.command import ALIASES, COLLIDING_NAMES, RETIRED, build_command
@@ -298,10 +301,15 @@ def test_every_copied_file_is_in_the_build_context() -> None:
 
 
 def readme_docker_builds() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    """The docs' ``docker build`` commands (Option 1's, then Option 2's), each once."""
     starts = {"docker", "HF_TOKEN=hf_..."}
-    return [shlex.split(line.strip()) for line in text.splitlines()
-            if "docker build" in line and line.strip().split(" ", 1)[0] in starts]
+    builds: list[list[str]] = []
+    for block in docs.blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.strip()) if "docker build" in line else []
+            if words and words[0] in starts and words not in builds:
+                builds.append(words)
+    return builds
 
 
 def test_readme_docker_builds_use_only_what_the_dockerfile_declares() -> None:
@@ -665,6 +673,87 @@ def test_hub_presets_build_a_command(catalog: FlagCatalog) -> None:
         command = build_command(preset["defaults"], catalog, baked_args_path="/nonexistent",
                                 config_default="/nonexistent")
         assert command.argv[2] == preset["defaults"]["MODEL_NAME"]
+
+
+def form_defaults() -> dict[str, str]:
+    """What the form sends when nothing is touched: every field's default, as env text."""
+    return {entry["key"]: sample_values(entry)[-1] for entry in hub()["config"]["env"]
+            if "default" in entry["input"]}
+
+
+def test_the_forms_defaults_start(catalog: FlagCatalog) -> None:
+    """The defaults, with each field filled in as its description asks, build a command: a
+    default that contradicts another field (ENABLE_LORA=false beside LORA_MODULES) would
+    fail every start of a user who filled in only the other one."""
+    defaults = form_defaults()
+    assert defaults["ENABLE_LORA"] == ""  # unset: the worker adds --enable-lora for adapters
+    for preset in [{}, *(p["defaults"] for p in hub()["config"]["presets"])]:
+        for entry in hub()["config"]["env"]:
+            for value in sample_values(entry):
+                env = {**defaults, "MODEL_NAME": "org/model", **preset, entry["key"]: value}
+                Settings.from_env(env)
+                build_command(env, catalog, baked_args_path="/nonexistent",
+                              config_default="/nonexistent")
+    with pytest.raises(ConfigError, match="ENABLE_LORA"):  # what a false default would do
+        build_command({**defaults, "MODEL_NAME": "org/model", "ENABLE_LORA": "false",
+                       "LORA_MODULES": FREE_TEXT_SAMPLES["LORA_MODULES"]}, catalog,
+                      baked_args_path="/nonexistent", config_default="/nonexistent")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What a model takes on the GPU: its weights as vLLM loads them (GiB), and the shape of
+    its attention (config.json), which sets its KV cache: 2 (K and V) x layers x KV heads x
+    head size x 2 bytes (bf16) per token."""
+
+    weights_gib: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def kv_cache_gib(self, tokens: int) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2 * tokens / 2**30
+
+
+#: The presets' models. bf16 weights are 2 bytes a parameter (4.02 B for Qwen3-4B, 1.78 B for
+#: the 1.5B distill, whose embeddings are not tied); the AWQ checkpoint's, what vLLM reports
+#: loading ("Model loading took 5.71 GiB").
+PRESET_MODELS: dict[str, ModelSize] = {
+    "Qwen/Qwen3-8B-AWQ": ModelSize(5.71, layers=36, kv_heads=8, head_dim=128),
+    "Qwen/Qwen3-4B": ModelSize(4.02e9 * 2 / 2**30, layers=36, kv_heads=8, head_dim=128),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": ModelSize(
+        1.78e9 * 2 / 2**30, layers=28, kv_heads=2, head_dim=128),
+}
+#: A margin below vLLM 0.32's default GPU_MEMORY_UTILIZATION (0.92), and what activations and
+#: CUDA graphs take besides the weights and the KV cache.
+UTILIZATION, ACTIVATIONS_GIB = 0.9, 2.0
+
+
+def pool_memory_gib(pool: str) -> int:
+    """The memory of a pool's GPUs, from its name: AMPERE_16 -> 16, ADA_48_PRO -> 48."""
+    match = re.search(r"_(\d+)", pool)
+    assert match is not None, pool
+    return int(match[1])
+
+
+def fits(size: ModelSize, max_model_len: int, memory_gib: float) -> bool:
+    """Weights, activations and one request of ``max_model_len`` tokens in vLLM's share."""
+    need = size.weights_gib + ACTIVATIONS_GIB + size.kv_cache_gib(max_model_len)
+    return need <= UTILIZATION * memory_gib
+
+
+def test_hub_presets_fit_every_pool() -> None:
+    """Runpod may place a worker on any pool of gpuIds: each preset must fit the smallest."""
+    smallest = min(pool_memory_gib(pool) for pool in hub()["config"]["gpuIds"].split(","))
+    for preset in hub()["config"]["presets"]:
+        defaults = preset["defaults"]
+        model = defaults["MODEL_NAME"]
+        assert model in PRESET_MODELS, f"add the size of {model} to PRESET_MODELS"
+        # Without MAX_MODEL_LEN the context is the model's own maximum: say it in the preset.
+        assert fits(PRESET_MODELS[model], int(defaults["MAX_MODEL_LEN"]), smallest), preset
+    # The rule refuses what the listing once offered: an 8B model in bf16 on the 16 GB pool.
+    qwen3_8b = ModelSize(8.19e9 * 2 / 2**30, layers=36, kv_heads=8, head_dim=128)
+    assert not fits(qwen3_8b, 32768, 16) and fits(qwen3_8b, 8192, 24)
 
 
 def test_hub_tests_json(catalog: FlagCatalog) -> None:

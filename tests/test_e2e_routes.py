@@ -216,13 +216,12 @@ def metric(serving: Serving, name: str, **labels: str) -> float:
     return total
 
 
-def test_cancelling_a_stream_aborts_the_generation(serving: Serving) -> None:
-    # The tiny model makes ~20k tokens/s on two cores when alone: ask for 256k (~13 s).
-    full = 128 * 2000
+def cancel_after_the_first_piece(serving: Serving, job_input: Any) -> tuple[float, str]:
+    """Submit a streamed job, cancel it once its first piece is in, and wait until vLLM runs
+    no request: the tokens vLLM generated for it, and the job's streamed text."""
     tokens_before = metric(serving, "vllm:generation_tokens_total")
-    job = serving.api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
-        "max_tokens": 2000, "ignore_eos": True, "n": 128}})
-    serving.api.wait_stream(job, count=1, timeout=60)
+    job = serving.api.submit(job_input)
+    serving.api.wait_stream(job, count=1, timeout=120)
     cancelled_at = time.monotonic()
     serving.api.cancel(job)
     while metric(serving, "vllm:num_requests_running") > 0:
@@ -231,6 +230,15 @@ def test_cancelling_a_stream_aborts_the_generation(serving: Serving) -> None:
     # /metrics itself answers slowly while vLLM is busy: the time is a figure, not a check.
     print(f"vLLM idle {time.monotonic() - cancelled_at:.2f} s after the cancel")
     generated = metric(serving, "vllm:generation_tokens_total") - tokens_before
+    return generated, "".join(serving.api.jobs[job].outputs)
+
+
+def test_cancelling_a_stream_aborts_the_generation(serving: Serving) -> None:
+    # The tiny model makes ~20k tokens/s on two cores when alone: ask for 256k (~13 s).
+    full = 128 * 2000
+    generated, streamed = cancel_after_the_first_piece(serving, {
+        "prompt": "Hello", "stream": True,
+        "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 128}})
     # Without the abort vLLM runs the whole generation (seen: all of it, 12 s after the cancel).
     assert generated < full / 2, f"{generated:.0f} of {full} tokens generated"
-    assert "[DONE]" not in "".join(serving.api.jobs[job].outputs)
+    assert "[DONE]" not in streamed

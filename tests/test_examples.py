@@ -1,6 +1,6 @@
-"""The examples (examples/*.py) and the README's job commands, run for real.
+"""The examples (examples/*.py) and the docs' job commands, run for real.
 
-One worker serves the module, started the way the README says: ``start.sh`` with
+One worker serves the module, started the way docs/deploy.md says: ``start.sh`` with
 ``WORKER_MODE=local``, i.e. the runpod SDK's local API (on a free port) in front of the CPU
 vLLM serving the tiny model. Every example that has a route there (the ``requests_*``
 scripts: /run, /runsync, /status, /stream) runs as a subprocess with BASE_URL pointing at it.
@@ -12,13 +12,19 @@ cannot go through it. They run against vLLM's own OpenAI-compatible server inste
 forward to, so their client code is proven to work against the real thing. That the
 platform builds those URLs and forwards them is checked offline below, not against Runpod.
 
+The speech-to-text example (``requests_transcribe``) has a worker of its own, serving the
+tiny Whisper the same way, and runs as docs/speech-to-text.md says.
+
 The fast tests at the end need no vLLM: how each example builds its URLs and headers from
 RUNPOD_ENDPOINT_ID / RUNPOD_API_KEY, and what it says when they are missing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import mimetypes
 import re
 import shlex
 import subprocess
@@ -32,15 +38,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 
+from tests import docs
 from tests.conftest import free_port, load_script
+from tests.tiny_model import sine_wav
 from tests.worker_process import WorkerProcess, base_env
 from worker.routing import parse_job_input
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-README = ROOT / "README.md"
+SPEECH_DOC = docs.DOCS / "speech-to-text.md"
 PLATFORM = "https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID"
 
 #: Examples with a route on the SDK's local API (BASE_URL = the worker's API).
@@ -49,6 +58,10 @@ LOCAL_API_EXAMPLES = ("requests_runsync", "requests_run_status", "requests_strea
 OPENAI_EXAMPLES = (
     "openai_chat", "openai_stream", "openai_completions", "openai_models", "anthropic_messages",
 )
+#: The speech-to-text example (BASE_URL = the local API of a worker serving a speech model),
+#: and the file it is given.
+SPEECH_EXAMPLE = "requests_transcribe"
+EXAMPLE_ARGS = {SPEECH_EXAMPLE: ["speech.wav"]}
 
 
 @dataclass
@@ -61,30 +74,44 @@ class LocalWorker:
     model: str
 
 
-@pytest.fixture(scope="module")
-def local_worker(
-    tiny_env: dict[str, str], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalWorker]:
+def start_local(env: dict[str, str], model: Path, log: Path) -> LocalWorker:
+    """start.sh in local mode (the SDK's local API) on free ports, once it listens."""
     vllm_port, api_port = free_port(), free_port()
     env = {
-        **tiny_env,
+        **env,
         "WORKER_MODE": "local",
         "WORKER_PYTHON": sys.executable,
         "PORT": str(api_port),
         "VLLM_PORT": str(vllm_port),
     }
-    log = tmp_path_factory.mktemp("examples") / "worker.log"
     worker = WorkerProcess([str(ROOT / "start.sh")], env, log_path=log)
     try:
         worker.wait_for_log("Uvicorn running on", timeout=300)
-        yield LocalWorker(
-            worker,
-            f"http://127.0.0.1:{api_port}",
-            f"http://127.0.0.1:{vllm_port}/v1",
-            str(tiny_model),
-        )
-    finally:
+    except BaseException:
         worker.kill()
+        raise
+    return LocalWorker(worker, f"http://127.0.0.1:{api_port}",
+                       f"http://127.0.0.1:{vllm_port}/v1", str(model))
+
+
+@pytest.fixture(scope="module")
+def local_worker(
+    tiny_env: dict[str, str], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalWorker]:
+    local = start_local(tiny_env, tiny_model, tmp_path_factory.mktemp("examples") / "worker.log")
+    yield local
+    local.worker.kill()
+
+
+@pytest.fixture(scope="module")
+def local_whisper(
+    whisper_env: dict[str, str], tiny_whisper: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalWorker]:
+    """The same, serving the tiny Whisper (speech to text)."""
+    log = tmp_path_factory.mktemp("speech-example") / "worker.log"
+    local = start_local(whisper_env, tiny_whisper, log)
+    yield local
+    local.worker.kill()
 
 
 def run_example(name: str, base_url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -184,7 +211,7 @@ def test_an_example_reports_a_failed_job_as_the_readme_shows(
     local_worker: LocalWorker, tmp_path: Path
 ) -> None:
     readme_failed = next(
-        json.loads(block) for block in _readme_blocks("json")
+        json.loads(block) for block in docs.blocks("json", docs.job_pages())
         if '"status": "FAILED"' in block
     )
     job = tmp_path / "job.json"
@@ -193,28 +220,85 @@ def test_an_example_reports_a_failed_job_as_the_readme_shows(
     done = run_example("requests_runsync", local_worker.api_url, str(job))
     assert done.returncode == 1, done.stdout
     error = json.loads(done.stderr.strip().removeprefix("job failed: "))
-    # The README's example is this very error (the tests serve MAX_MODEL_LEN=512).
+    # The example of docs/errors.md is this very error (the tests serve MAX_MODEL_LEN=512).
     assert error == json.loads(readme_failed["error"])
 
 
-# -- the README's commands and job inputs, against the same worker ------------------------
-def _readme_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+def speech_doc_commands() -> list[list[str]]:
+    """The arguments of each `python examples/requests_transcribe.py` line of the doc page."""
+    commands = []
+    for line in shell_lines([SPEECH_DOC]):
+        words = shlex.split(line, comments=True)
+        if words[:2] == ["python", f"examples/{SPEECH_EXAMPLE}.py"]:
+            commands.append(words[2:])
+    return commands
 
 
+def direct_transcription(local: LocalWorker, wav: bytes, stream: bool) -> str:
+    """The text vLLM itself answers to the form the docs' commands send (8 tokens at most)."""
+    form = {"language": "en", "max_completion_tokens": "8"} | ({"stream": "true"} if stream
+                                                               else {})
+    answer = httpx.post(local.openai_url + "/audio/transcriptions", data=form,
+                        files={"file": ("speech.wav", wav, "audio/wav")}, timeout=120)
+    answer.raise_for_status()
+    if not stream:
+        return str(answer.json()["text"])
+    events = load_example("_endpoint").sse_events(answer.text)
+    return "".join(event["choices"][0]["delta"].get("content") or "" for event in events)
+
+
+@pytest.mark.vllm
+def test_the_speech_docs_python_prints_vllms_transcription(
+    local_whisper: LocalWorker, tmp_path: Path
+) -> None:
+    """The doc page's requests code and its example's commands, with at most 8 tokens (the
+    tiny Whisper never stops by itself) and a one-second tone as speech.wav: each prints what
+    vLLM itself answers to the same form."""
+    (tmp_path / "speech.wav").write_bytes(sine_wav())
+    expected = {stream: direct_transcription(local_whisper, sine_wav(), stream)
+                for stream in (False, True)}
+    assert all(expected.values())
+
+    [snippet] = [b for b in docs.blocks("python", [SPEECH_DOC]) if "b64encode" in b]
+    code = snippet.replace('f"https://api.runpod.ai/v2/{endpoint_id}/runsync"',
+                           repr(f"{local_whisper.api_url}/runsync"))
+    code = code.replace('"form": {"language": "en"}',
+                        '"form": {"language": "en", "max_completion_tokens": 8}')
+    assert code.count(local_whisper.api_url) == 1 and "max_completion_tokens" in code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.chdir(tmp_path):
+        exec(code, {"endpoint_id": "unused", "api_key": "unused"})
+    assert printed.getvalue() == expected[False] + "\n"
+
+    commands = speech_doc_commands()
+    assert sorted("--stream" in args for args in commands) == [False, True], commands
+    for args in commands:
+        env = base_env()
+        env.pop("PYTHONPATH", None)
+        env["BASE_URL"] = local_whisper.api_url
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / f"{SPEECH_EXAMPLE}.py"), *args, "--max-tokens", "8"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+        assert _completed(done) == expected["--stream" in args] + "\n", args
+
+
+def shell_lines(pages: list[Path]) -> list[str]:
+    """The lines of the pages' bash blocks, continuation lines joined."""
+    return [line.strip() for block in docs.blocks("bash", pages)
+            for line in block.replace("\\\n", " ").splitlines()]
+
+
+# -- the docs' commands and job inputs, against the same worker --------------------------
 #: The address of a load-balancing endpoint (tests/test_e2e_lb.py runs those commands).
 LOAD_BALANCER = "https://$RUNPOD_ENDPOINT_ID.api.runpod.ai"
 
 
 def curl_commands(load_balancer: bool = False) -> list[str]:
-    """The README's curl commands (continuation lines joined): those of the queue routes, or
-    those of a load-balancing endpoint."""
-    commands = []
-    for block in _readme_blocks("bash"):
-        for command in block.replace("\\\n", " ").splitlines():
-            if command.strip().startswith("curl ") and (LOAD_BALANCER in command) is load_balancer:
-                commands.append(command.strip())
-    return commands
+    """The docs' curl commands (continuation lines joined), each once: those of the queue
+    routes, or those of a load-balancing endpoint."""
+    commands = [line for line in shell_lines(docs.job_pages()) if line.startswith("curl ")
+                and (LOAD_BALANCER in line) is load_balancer]
+    return list(dict.fromkeys(commands))
 
 
 @pytest.mark.vllm
@@ -234,9 +318,9 @@ def test_readme_curl_commands_work_against_the_local_api(local_worker: LocalWork
 
 
 def readme_job_inputs() -> list[dict[str, Any]]:
-    """Every JSON block of the README that is a job: ``{"input": {...}}``."""
+    """Every JSON block of the docs that is a job: ``{"input": {...}}``."""
     jobs = []
-    for block in _readme_blocks("json"):
+    for block in docs.blocks("json", docs.job_pages()):
         data = json.loads(block)
         if isinstance(data, dict) and set(data) == {"input"}:
             jobs.append(data)
@@ -269,10 +353,41 @@ def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker
             assert isinstance(result["output"][0], dict | list), result
             # The local API reports a failed job as an output item: there must be none.
             assert "error" not in result["output"][0], (job, result)
-    print(f"{len(jobs)} README jobs in {time.monotonic() - started:.1f} s")
+    print(f"{len(jobs)} jobs of the docs in {time.monotonic() - started:.1f} s")
+
+
+#: How the docs' OpenAI client examples name the endpoint's OpenAI-compatible address.
+OPENAI_BASE_URL = "f\"https://api.runpod.ai/v2/{os.environ['RUNPOD_ENDPOINT_ID']}/openai/v1\""
+
+
+def openai_client_blocks() -> list[str]:
+    """The docs' Python blocks that call an endpoint with the OpenAI client."""
+    return [block for block in docs.blocks("python", docs.job_pages())
+            if OPENAI_BASE_URL in block]
+
+
+@pytest.mark.vllm
+def test_the_docs_openai_client_examples_answer(local_worker: LocalWorker) -> None:
+    """Run as written, with the endpoint's address replaced by vLLM's own /v1 (what the
+    platform's /openai/v1 forwards to)."""
+    blocks = openai_client_blocks()
+    assert blocks  # the README's
+    env = {**base_env(), "RUNPOD_ENDPOINT_ID": "local", "RUNPOD_API_KEY": "unused"}
+    env.pop("PYTHONPATH", None)
+    for block in blocks:
+        code = block.replace(OPENAI_BASE_URL, repr(local_worker.openai_url))
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip(), "no answer printed"
 
 
 # -- fast: URLs, headers and messages, no vLLM and no network -----------------------------
+def test_the_readme_shows_an_openai_client_example() -> None:
+    [block] = [b for b in openai_client_blocks()
+               if b in docs.blocks("python", [docs.README])]
+    compile(block, "README.md", "exec")
+    assert "from openai import OpenAI" in block
 def load_example(name: str) -> ModuleType:
     """The example as a module; its directory is on sys.path meanwhile, as when it runs as a
     script, for its sibling import of examples/_endpoint.py."""
@@ -326,20 +441,20 @@ def test_anthropic_example_drops_v1_from_base_url(monkeypatch: pytest.MonkeyPatc
         "http://127.0.0.1:8000", "unused")
 
 
-@pytest.mark.parametrize("name", LOCAL_API_EXAMPLES)
+@pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, SPEECH_EXAMPLE))
 def test_job_examples_use_the_endpoint_with_a_bearer_key(name: str, platform_env: None) -> None:
     base_url, session = load_example(name).endpoint_from_env()
     assert base_url == "https://api.runpod.ai/v2/abc123"
     assert session.headers["Authorization"] == "Bearer rpa_test"
 
 
-@pytest.mark.parametrize("name", LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
+@pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, *OPENAI_EXAMPLES, SPEECH_EXAMPLE))
 def test_examples_say_what_to_set_when_nothing_is_set(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for var in ("BASE_URL", "RUNPOD_ENDPOINT_ID", "RUNPOD_API_KEY"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(sys, "argv", [name])
+    monkeypatch.setattr(sys, "argv", [name, *EXAMPLE_ARGS.get(name, [])])
     with pytest.raises(SystemExit) as exited:
         load_example(name).main()
     assert exited.value.code == "Set RUNPOD_ENDPOINT_ID and RUNPOD_API_KEY (or BASE_URL)."
@@ -360,15 +475,30 @@ def test_readme_job_inputs_are_valid_jobs() -> None:
 
 
 def test_examples_are_listed_in_the_readme() -> None:
-    text = README.read_text(encoding="utf-8")
+    """Each example is named in the README or a page of docs/ (the speech one in its page)."""
+    text = "".join(docs.read(page) for page in docs.pages())
     for path in sorted(EXAMPLES.glob("[!_]*.py")):  # not _endpoint.py: what they share
         assert f"examples/{path.name}" in text, path.name
 
 
+def test_the_transcribe_example_builds_a_form_job(tmp_path: Path) -> None:
+    audio = tmp_path / "speech.wav"
+    audio.write_bytes(sine_wav())
+    job = load_example(SPEECH_EXAMPLE).transcription_job(
+        audio, {"language": "en", "stream": False, "max_completion_tokens": None},
+        "/v1/audio/transcriptions")
+    request = parse_job_input(job["input"])
+    assert request.form is not None and request.route == "/v1/audio/transcriptions"
+    assert request.form.fields == (("language", "en"), ("stream", "false"))
+    [file] = request.form.files
+    assert (file.field, file.filename, file.content_type, file.data) == (
+        "file", "speech.wav", mimetypes.guess_type("speech.wav")[0], sine_wav())
+
+
 def test_readme_example_commands_are_the_ones_tested() -> None:
-    """Each `python examples/X.py` line of the README runs above, with the same variables."""
+    """Each `python examples/X.py` line of the docs runs above, with the same variables."""
     scripts = set()
-    for block in _readme_blocks("bash"):
+    for block in docs.blocks("bash", docs.job_pages()):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if "python" not in words[:3] or not any(w.startswith("examples/") for w in words):
@@ -377,4 +507,6 @@ def test_readme_example_commands_are_the_ones_tested() -> None:
             assert assignments <= {"BASE_URL"}, line
             [script] = [w for w in words if w.startswith("examples/")]
             scripts.add(Path(script).stem)
-    assert scripts == set(LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
+    # (The speech example's commands are docs/speech-to-text.md's, run above; the README may
+    # name it too.)
+    assert scripts - {SPEECH_EXAMPLE} == set(LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)

@@ -64,3 +64,57 @@ def test_unknown_repos_and_revisions_are_404s(hub: FakeHub) -> None:
     assert status == 404 and headers["X-Error-Code"] == "RevisionNotFound"
     status, _, body = hub.answer("GET", "/api/agent-harnesses", None)
     assert status == 200 and json.loads(body) == {"standardEnvVars": [], "harnesses": {}}
+
+
+def test_what_vllms_start_asks_is_answered(tmp_path: Path) -> None:
+    """The tree (a folder's entries, or every file), paths-info, Range, new commits."""
+    files = {"config.json": b"{}", "model.safetensors": b"w" * 100, "original/params.json": b"p"}
+    with FakeHub() as hub:
+        repo = hub.add("acme/public", files)
+        status, _, body = hub.answer("GET", "/api/models/acme/public/tree/main", None)
+        assert status == 200 and {(e["type"], e["path"]) for e in json.loads(body)} == {
+            ("file", "config.json"), ("file", "model.safetensors"),
+            ("directory", "original")}
+        _, _, body = hub.answer("GET", "/api/models/acme/public/tree/main", None,
+                                query="recursive=true")
+        assert "original/params.json" in {e["path"] for e in json.loads(body)}
+        _, _, body = hub.answer("POST", "/api/models/acme/public/paths-info/main", None,
+                                form={"paths": ["original", "config.json", "nope"]})
+        assert [e["type"] for e in json.loads(body)] == ["directory", "file"]
+        _, _, body = hub.answer("GET", "/api/models/acme/public/revision/main", None,
+                                query="blobs=true")
+        [weights] = [s for s in json.loads(body)["siblings"] if "lfs" in s]
+        assert weights["size"] == 100 and weights["rfilename"] == "model.safetensors"
+        url = f"/acme/public/resolve/{repo.commit}/model.safetensors"
+        status, headers, body = hub.answer("GET", url, None, range_header="bytes=90-")
+        assert status == 206 and body == b"w" * 10
+        assert headers["Content-Range"] == "bytes 90-99/100"
+        first = repo.commit
+        second = hub.push("acme/public", {**files, "README.md": b"new"})
+        assert hub.answer("GET", f"/acme/public/resolve/{first}/config.json", None)[0] == 200
+        assert hub.answer("GET", "/acme/public/resolve/main/README.md", None)[1][
+            "X-Repo-Commit"] == second
+        missing = hub.answer("GET", f"/acme/public/resolve/{first}/README.md", None)
+        assert missing[0] == 404 and missing[1]["X-Repo-Commit"] == first  # → .no_exist
+
+
+def test_latency_bandwidth_outages_and_the_count(tmp_path: Path) -> None:
+    import time
+    import urllib.error
+    import urllib.request
+
+    with FakeHub() as hub:
+        repo = hub.add("acme/public", {"model.safetensors": b"w" * 40_000})
+        url = f"{hub.url}/acme/public/resolve/{repo.commit}/model.safetensors"
+        hub.bandwidth, hub.latency = 100_000, 0.2
+        started = time.monotonic()
+        with urllib.request.urlopen(url) as answer:
+            assert len(answer.read()) == 40_000
+        assert time.monotonic() - started >= 0.2 + 0.3  # the latency, then 40 kB at 100 kB/s
+        while hub.count() < 1:  # recorded once the body is sent
+            time.sleep(0.01)
+        assert hub.requests[-1].sent == 40_000 and hub.bytes_sent() == 40_000
+        hub.latency, hub.outage = 0.0, "error"
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url)
+        assert error.value.code == 503

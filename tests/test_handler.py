@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -13,6 +14,7 @@ import pytest
 import respx
 
 from tests.fake_openai import FakeOpenAI, expected_stream
+from tests.test_forms import parts
 from worker.handler import Proxy
 from worker.settings import Settings
 
@@ -208,6 +210,13 @@ async def test_cancelling_the_job_closes_the_request(proxy: Proxy, backend: Fake
         ({"route": "/v1/models", "method": "GET", "body": {}}, "GET request cannot"),
         ({"openai_route": "/v1/chat/completions", "openai_input": "x"}, "'openai_input'"),
         ({"prompt": "x", "max_batch_size": 0}, "'max_batch_size'"),
+        ({"route": "/v1/audio/transcriptions", "files": {"file": {"data": "@@"}}},
+         "'files.file.data' is not base64"),
+        ({"route": "/v1/audio/transcriptions", "files": ["a.wav"]}, "'files' must be"),
+        ({"route": "/v1/audio/transcriptions", "files": {"file": "UklGRg=="}},
+         "'files.file' must be an object"),
+        ({"route": "/v1/audio/transcriptions", "method": "GET", "form": {"language": "en"}},
+         "a GET request cannot carry one"),
     ],
 )
 async def test_invalid_requests_are_rejected_without_sending(
@@ -330,3 +339,58 @@ async def test_default_max_tokens_fills_in_for_shorthand_jobs_only(
     finally:
         await proxy.aclose()
     assert items[0]["echo"].get("max_tokens") == expected
+
+
+# -- form jobs (multipart/form-data: speech to text) ----------------------------------------
+TRANSCRIPTIONS = "http://127.0.0.1:8000/v1/audio/transcriptions"
+WAV = b"RIFF\x00\x01\r\n--x"
+
+
+def form_job(**form: Any) -> dict[str, Any]:
+    return {"route": "/v1/audio/transcriptions", "form": form, "files": {"file": {
+        "data": base64.b64encode(WAV).decode(), "filename": "a.wav",
+        "content_type": "audio/wav"}}}
+
+
+async def test_a_form_job_is_posted_as_multipart_with_the_files_bytes() -> None:
+    router = respx.MockRouter()
+    call = router.post(TRANSCRIPTIONS).respond(200, json={"text": "hi"})
+    p = mocked_proxy(router)
+    items = await run(p, form_job(language="en", temperature=0.2))
+    await p.aclose()
+    request = call.calls[0].request
+    # The form as given, and no "model" added: vLLM's speech routes default to the served one.
+    assert parts(request.content, request.headers["content-type"]) == [
+        ("language", None, "text/plain", b"en"),
+        ("temperature", None, "text/plain", b"0.2"),
+        ("file", "a.wav", "audio/wav", WAV),
+    ]
+    assert request.headers["content-length"] == str(len(request.content))
+    assert items == [{"text": "hi"}]
+
+
+async def test_a_form_that_asks_for_a_stream_is_relayed_as_sse() -> None:
+    sse = ('data: {"object":"transcription.chunk","choices":[{"delta":{"content":"h"}}]}\n\n'
+           "data: [DONE]\n\n")
+    router = respx.MockRouter()
+    call = router.post(TRANSCRIPTIONS).respond(
+        200, text=sse, headers={"content-type": "text/event-stream"})
+    p = mocked_proxy(router)
+    items = await run(p, form_job(stream=True))
+    await p.aclose()
+    assert "".join(items) == sse and all(isinstance(item, str) for item in items)
+    request = call.calls[0].request
+    assert ("stream", None, "text/plain", b"true") in parts(
+        request.content, request.headers["content-type"])
+
+
+async def test_vllms_error_for_a_form_is_a_vllm_error() -> None:
+    router = respx.MockRouter()
+    router.post(TRANSCRIPTIONS).respond(400, json={"error": {
+        "message": "Invalid or unsupported audio file.", "type": "BadRequestError",
+        "param": None, "code": 400}})
+    p = mocked_proxy(router)
+    error = error_of(await run(p, form_job()))
+    await p.aclose()
+    assert (error["type"], error["code"], error["message"]) == (
+        "vllm_error", 400, "Invalid or unsupported audio file.")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.worker_process import ROOT, base_env
+from worker.main import open_port_warning
 
 
 def run_worker(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -46,6 +47,14 @@ def test_dry_run_prints_the_command_and_where_each_flag_came_from() -> None:
     assert "env MAX_MODEL_LEN" in result.stderr and "VLLM_EXTRA_ARGS" in result.stderr
     assert "SWAP_SPACE" in result.stderr  # the retired flag's warning
     print(f"dry run took {elapsed:.2f} s (a fresh interpreter, no vLLM import)")
+
+
+def test_dry_run_names_the_flag_a_typo_probably_meant() -> None:
+    result = run_worker("--dry-run", env={"MODEL_NAME": "m", "MAX_MODEL_LENGTH": "8192"})
+    assert result.returncode == 0, result.stderr
+    assert "--max-model-len" not in result.stdout
+    assert ("warning: MAX_MODEL_LENGTH is ignored: it is no flag of vLLM 0.32.0 and no setting "
+            "of the worker; did you mean MAX_MODEL_LEN (--max-model-len)?") in result.stderr
 
 
 def test_an_api_key_in_extra_args_is_refused_without_echoing_it() -> None:
@@ -132,3 +141,42 @@ def test_test_output_is_compared(expected: list[str], status: int, tmp_path: Pat
 def test_test_input_that_is_no_job_is_refused(tmp_path: Path) -> None:
     done = run_worker("--test_input", '{"prompt": "no input key"}', env={"MODEL_NAME": "m"})
     assert done.returncode == 2 and '{"input": {"prompt": "Hello"}}' in done.stderr
+
+
+# -- http mode: a plain pod ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("env", "pod"),
+    [({}, "<POD_ID>"), ({"VLLM_API_KEY": ""}, "<POD_ID>"), ({"RUNPOD_POD_ID": "abc123"}, "abc123")],
+)
+def test_a_plain_pod_without_a_key_is_said_to_be_open(env: dict[str, str], pod: str) -> None:
+    warning = open_port_warning(env, 8000)
+    assert warning is not None
+    assert warning.startswith("VLLM_API_KEY is not set: vLLM answers every request on "
+                              "0.0.0.0:8000 without a key")
+    assert f"https://{pod}-8000.proxy.runpod.net" in warning
+
+
+def test_a_plain_pod_with_a_key_is_not() -> None:
+    assert open_port_warning({"VLLM_API_KEY": "k"}, 8000) is None
+
+
+def exec_http_mode(**env: str) -> subprocess.CompletedProcess[str]:
+    """http mode with /bin/echo standing in for vllm: the worker execs it with its command."""
+    return run_worker(env={"WORKER_MODE": "http", "VLLM_EXECUTABLE": "/bin/echo",
+                           "MODEL_NAME": "org/m", "PORT": "8123", **env})
+
+
+def test_http_mode_without_a_key_warns_at_start() -> None:
+    done = exec_http_mode(RUNPOD_POD_ID="abc123", MAX_MODEL_LENGTH="8192")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["serve", "org/m", "--host", "0.0.0.0", "--port", "8123"]
+    assert "WARNING worker: VLLM_API_KEY is not set" in done.stderr
+    assert "https://abc123-8123.proxy.runpod.net" in done.stderr
+    assert "did you mean MAX_MODEL_LEN (--max-model-len)?" in done.stderr  # the start says it
+
+
+def test_http_mode_with_a_key_neither_warns_nor_shows_it() -> None:
+    done = exec_http_mode(VLLM_API_KEY="sk-pod-secret-123")
+    assert done.returncode == 0, done.stderr
+    assert "VLLM_API_KEY is not set" not in done.stderr
+    assert "sk-pod-secret-123" not in done.stdout + done.stderr

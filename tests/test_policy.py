@@ -14,21 +14,26 @@ import pytest
 
 from tests.launches import launch_of
 from worker.diagnosis import Diagnosis
-from worker.errors import PrestartFailed, StartupError
+from worker.errors import HubUnreachable, PrestartFailed, StartupError
+from worker.hub_targets import plan_hub_checks
 from worker.policy import (
     Attempt,
     Decision,
     Exited,
     Fail,
     Healthy,
+    HubDown,
     HubRefused,
     Relaunch,
     Serve,
     Start,
     TimedOut,
+    WaitForHub,
     decide,
+    hub_retry_delay,
     logs_for_jobs,
 )
+from worker.preflight import HubOutage
 
 OOM = Diagnosis("out_of_memory", "vLLM ran out of memory.", "Lower MAX_MODEL_LEN.", True)
 TOO_LONG = Diagnosis("max_model_len_too_large", "Too long.", "Set MAX_MODEL_LEN to 4096.")
@@ -192,3 +197,53 @@ def test_prestart_failed_of_a_missing_libnuma_puts_the_engines_error_first() -> 
     assert "Engine core initialization failed. See root cause above." in logs
     assert len(logs) <= 4000
 
+
+
+# -- the Hub does not answer, an out-of-memory relaunch turned off --------------------------
+def _outage() -> HubDown:
+    launch = launch_of({"MODEL_NAME": "acme/x", "HF_HOME": "/nonexistent/hf"})
+    [target] = plan_hub_checks(launch.command, launch.hub).targets
+    return HubDown(HubOutage("http://hub.internal", ((target, "Hugging Face answered 503"),)))
+
+
+@pytest.mark.parametrize(
+    ("down_for", "timeout", "expected"),
+    [
+        (0.0, 15.0, 1.0), (1.0, 15.0, 1.0), (2.0, 15.0, 2.0), (4.0, 15.0, 4.0),
+        (8.0, 15.0, 7.0),  # the last question falls at the timeout
+        (8.0, 60.0, 8.0), (40.0, 60.0, 8.0),  # then every 8 s
+        (15.0, 15.0, None), (16.2, 15.0, None),
+    ],
+)
+def test_an_unreachable_hub_is_asked_again_with_waits_that_double(
+    down_for: float, timeout: float, expected: float | None
+) -> None:
+    assert hub_retry_delay(down_for, timeout) == expected
+    down = _outage()
+    decision = decide(HubDown(down.outage, down_for), start_of({"MODEL_NAME": "acme/x"}), (),
+                      startup_timeout=300, hub_retry_timeout=timeout)
+    if expected is None:
+        assert isinstance(decision, Fail) and isinstance(decision.error, HubUnreachable)
+    else:
+        assert decision == WaitForHub(expected)
+
+
+def test_hub_retry_timeout_0_gives_up_at_the_first_failure() -> None:
+    decision = decide(_outage(), start_of({"MODEL_NAME": "acme/x"}), (), startup_timeout=300,
+                      hub_retry_timeout=0)
+    assert isinstance(decision, Fail) and isinstance(decision.error, HubUnreachable)
+    error = decision.error.to_dict()
+    assert error["type"] == "hub_unreachable" and error["endpoint"] == "http://hub.internal"
+    assert error["message"].startswith(
+        "The Hugging Face Hub at http://hub.internal did not answer for the model acme/x "
+        "(MODEL_NAME): Hugging Face answered 503. The worker kept asking for 0 s "
+        "(HUB_RETRY_TIMEOUT). No complete copy is cached (")
+    assert "Fix: Retry later: this worker exits" in error["message"]
+    assert isinstance(decision.error, PrestartFailed)  # the worker exits after one job
+
+
+def test_an_out_of_memory_start_fails_at_once_with_the_relaunch_off() -> None:
+    decision = decide(Exited(1, TAIL, OOM), start_of({"MODEL_NAME": "m"}), (),
+                      startup_timeout=300, oom_relaunch=False)
+    assert isinstance(decision, Fail) and isinstance(decision.error, StartupError)
+    assert decision.error.extra["kind"] == "out_of_memory"

@@ -33,7 +33,8 @@ from worker.hub_messages import (
     not_found_message,
     revision_not_found_message,
 )
-from worker.preflight import plan_hub_checks, preflight
+from worker.hub_targets import plan_hub_checks
+from worker.preflight import preflight
 
 # The HTTP library huggingface_hub uses (httpx2 in 2.x, httpx in 1.x).
 HTTP: Any = getattr(hub_http, "httpx2", None) or getattr(hub_http, "httpx")  # noqa: B009
@@ -356,49 +357,55 @@ async def test_token_file_is_used_like_huggingface_hub_does(hub: FakeHub, tmp_pa
 
 
 # -- uncertain answers: a warning, the start goes on ---------------------------------------------
+# -- no definitive answer ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("status", "reason"),
     [
         (503, "Hugging Face answered 503 Service Unavailable"),
         (500, "Hugging Face answered 500 Internal Server Error"),
-        (429, "Hugging Face is rate-limiting this machine (429 Too Many Requests)"),
     ],
 )
-async def test_server_trouble_is_a_warning(hub: FakeHub, status: int, reason: str) -> None:
+async def test_server_errors_are_an_outage(hub: FakeHub, status: int, reason: str) -> None:
     # The body echoes the token: whatever the Hub says, the token never reaches the result.
     hub.on(f"{API}/Qwen/Qwen3-0.6B", status, text=f"upstream said {TOKEN}")
     result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B", HF_TOKEN=TOKEN))
-    assert result.ok and result.startup_error is None
-    assert result.warnings == (
-        f"Could not check the model Qwen/Qwen3-0.6B (MODEL_NAME) on Hugging Face: {reason}; "
-        "starting anyway (vLLM downloads it itself and a real problem will be reported from "
-        "its log).",
-    )
+    assert result.ok and result.startup_error is None and result.warnings == ()
+    assert result.outage is not None and result.outage.endpoint == "https://huggingface.co"
+    assert [(t.repo, why) for t, why in result.outage.repos] == [("Qwen/Qwen3-0.6B", reason)]
     assert TOKEN not in repr(result)
 
 
-async def test_library_timeout_is_a_warning(hub: FakeHub) -> None:
+async def test_rate_limiting_is_a_warning(hub: FakeHub) -> None:
+    hub.on(f"{API}/Qwen/Qwen3-0.6B", 429, text="slow down")
+    result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B"))
+    assert result.ok and result.outage is None
+    assert result.warnings == (
+        "Could not check the model Qwen/Qwen3-0.6B (MODEL_NAME) on Hugging Face: Hugging Face "
+        "is rate-limiting this machine (429 Too Many Requests); starting anyway (vLLM downloads "
+        "it itself and a real problem will be reported from its log).",
+    )
+
+
+async def test_library_timeout_is_an_outage(hub: FakeHub) -> None:
     def slow(request: Any) -> Any:
         raise HTTP.ReadTimeout("The read operation timed out", request=request)
 
     hub.on_call(f"{API}/Qwen/Qwen3-0.6B", slow)
     result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B"), timeout=2)
-    assert result.ok
-    assert "on Hugging Face: no answer within 2 s (ReadTimeout); starting anyway" in (
-        result.warnings[0]
-    )
+    assert result.ok and result.outage is not None
+    assert result.outage.repos[0][1] == "no answer within 2 s (ReadTimeout)"
 
 
-async def test_unreachable_hub_is_a_warning(hub: FakeHub) -> None:
+async def test_unreachable_hub_is_an_outage(hub: FakeHub) -> None:
     def refused(request: Any) -> Any:
         raise HTTP.ConnectError("[Errno -2] Name or service not known", request=request)
 
-    hub.on_call(f"{API}/Qwen/Qwen3-0.6B", refused)
-    result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B"))
-    assert result.ok
-    assert "cannot reach Hugging Face (ConnectError: [Errno -2] Name or service not known)" in (
-        result.warnings[0]
-    )
+    hub.on_call("http://hub.internal/api/models/Qwen/Qwen3-0.6B", refused)
+    result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B", HF_ENDPOINT="http://hub.internal"))
+    assert result.ok and result.warnings == ()
+    assert result.outage is not None and result.outage.endpoint == "http://hub.internal"
+    assert result.outage.repos[0][1] == (
+        "cannot reach Hugging Face (ConnectError: [Errno -2] Name or service not known)")
 
 
 async def test_a_hanging_request_neither_blocks_the_loop_nor_outlives_the_deadline(
@@ -428,8 +435,8 @@ async def test_a_hanging_request_neither_blocks_the_loop_nor_outlives_the_deadli
         release.set()
     assert time.monotonic() - started < 2
     assert ticks >= 10  # the loop kept running while the request hung
-    assert result.ok
-    assert "no answer within 0.3 s; starting anyway" in result.warnings[0]
+    assert result.ok and result.outage is not None
+    assert result.outage.repos[0][1] == "no answer within 0.3 s"
 
 
 # -- nothing to ask ------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""The README agrees with the code, and every command it shows is exercised somewhere.
+"""The README and docs/ agree with the code, and every command they show is exercised somewhere.
 
-* The generated tables (settings, earlier names, reserved flags, retired names) are what
-  ``scripts/gen_readme.py`` makes of the code today.
+* The generated tables of docs/configuration.md (the worker's settings and those of the image,
+  earlier names, reserved flags, retired names) are what ``scripts/gen_docs.py`` makes of the
+  code today.
 * The dry-run example prints exactly the output shown.
 * Every error type, every error example and every start-up cause matches the code.
-* Every shell command of the README is listed in :data:`COVERAGE` with the test that runs it
+* Every shell command of the docs is listed in :data:`COVERAGE` with the test that runs it
   (or, for ``docker build``, checks it without Docker), and those tests exist.
-* Every internal link points at a heading.
+* The variable-to-flag tables are what the worker builds.
+* Every test or benchmark a page names exists, and a claim said to be tested or measured
+  names one. (Links and anchors: tests/test_doc_links.py.)
 """
 
 from __future__ import annotations
@@ -22,24 +25,32 @@ from typing import Any
 import pytest
 
 import worker.errors
+from tests import docs
 from tests.conftest import load_script
 from tests.worker_process import base_env
 from worker.diagnosis.rules import RULES
 from worker.errors import WorkerError
 from worker.settings import SETTINGS
 
-ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-GEN_README = ROOT / "scripts" / "gen_readme.py"
+ROOT = docs.ROOT
+GEN_DOCS = ROOT / "scripts" / "gen_docs.py"
 
 EXAMPLES_TEST = "tests/test_examples.py"
 IMAGE_TEST = "tests/test_image.py"
 README_TEST = "tests/test_readme.py"
 SOAK_TEST = "tests/test_soak.py"
 
-#: Every command of the README below its first block → the test that exercises it. The first
-#: block's two: tests/test_run_local.py runs scripts/run_local.sh, .ci/run runs scripts/test.sh.
+#: Every command of the docs (below the README's first block) → the test that exercises it. The
+#: first block's two: tests/test_run_local.py runs scripts/run_local.sh, .ci/run runs
+#: scripts/test.sh.
 COVERAGE: dict[str, str] = {
+    "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/audio/transcriptions -H "
+    "\"Authorization: Bearer $RUNPOD_API_KEY\" -F file=@speech.wav -F language=en":
+        "tests/test_e2e_speech.py::test_an_upload_through_the_load_balancer_arrives_intact",
+    "python examples/requests_transcribe.py speech.wav --language en":
+        f"{EXAMPLES_TEST}::test_the_speech_docs_python_prints_vllms_transcription",
+    "python examples/requests_transcribe.py speech.wav --language en --stream":
+        f"{EXAMPLES_TEST}::test_the_speech_docs_python_prints_vllms_transcription",
     "curl -s http://127.0.0.1:8000/runsync -H 'Content-Type: application/json' "
     "-d '{\"input\": {\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
         f"{EXAMPLES_TEST}::test_readme_curl_commands_work_against_the_local_api",
@@ -77,7 +88,7 @@ COVERAGE: dict[str, str] = {
         f"{EXAMPLES_TEST}::test_job_examples_print_a_real_answer",
     "BASE_URL=http://127.0.0.1:8000 python examples/requests_stream.py":
         f"{EXAMPLES_TEST}::test_stream_example_prints_the_tokens_of_every_piece",
-    "python scripts/gen_readme.py": f"{README_TEST}::test_generated_tables_are_current",
+    "python scripts/gen_docs.py": f"{README_TEST}::test_generated_tables_are_current",
     # The load balancer's address is the platform's: the same call goes to the worker's PORT.
     "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/chat/completions -H \"Authorization: "
     "Bearer $RUNPOD_API_KEY\" -H 'Content-Type: application/json' -d '{\"model\": "
@@ -86,19 +97,11 @@ COVERAGE: dict[str, str] = {
     "MODEL_NAME=Qwen/Qwen3-0.6B .venv/bin/python -m worker --test_input '{\"input\": "
     "{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
         "tests/test_main.py::test_test_input_prints_the_result_of_a_job",
-    "python scripts/gen_readme.py --check": f"{README_TEST}::test_gen_readme_check_passes",
+    "python scripts/gen_docs.py --check": f"{README_TEST}::test_gen_docs_check_passes",
     ".venv/bin/python scripts/soak.py":
         f"{SOAK_TEST}::test_the_soak_script_prints_and_writes_the_figures",
     ".venv/bin/python -m pytest -m soak": f"{SOAK_TEST}::test_soak_against_the_stand_in_vllm",
 }
-
-
-def readme() -> str:
-    return README.read_text(encoding="utf-8")
-
-
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", readme(), re.S)
 
 
 def commands(block: str) -> list[str]:
@@ -111,44 +114,55 @@ def commands(block: str) -> list[str]:
     return found
 
 
-def load_gen_readme() -> Any:
-    return load_script(GEN_README)
+def load_gen_docs() -> Any:
+    return load_script(GEN_DOCS)
+
+
+CONFIGURATION = "configuration.md"
+ERRORS = "errors.md"
 
 
 # -- generated tables --------------------------------------------------------------------
 def test_generated_tables_are_current() -> None:
-    text = readme()
-    assert load_gen_readme().render(text) == text, "run: python scripts/gen_readme.py"
+    text = docs.page(CONFIGURATION)
+    assert load_gen_docs().render(text) == text, "run: python scripts/gen_docs.py"
 
 
-def test_gen_readme_check_passes() -> None:
-    done = subprocess.run([sys.executable, str(GEN_README), "--check"], cwd=ROOT,
+def test_gen_docs_check_passes() -> None:
+    done = subprocess.run([sys.executable, str(GEN_DOCS), "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
 
 
-def test_gen_readme_check_fails_on_a_stale_table(monkeypatch: pytest.MonkeyPatch,
-                                                 tmp_path: Path) -> None:
-    module = load_gen_readme()
-    stale = tmp_path / "README.md"
+def test_gen_docs_check_fails_on_a_stale_table(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    module = load_gen_docs()
+    stale = tmp_path / "configuration.md"
     row = "| `MAX_CONCURRENCY` | `30` |"
-    stale.write_text(readme().replace(row, row.replace("30", "3")))
-    monkeypatch.setattr(module, "README", stale)
+    text = docs.page(CONFIGURATION)
+    assert row in text
+    stale.write_text(text.replace(row, row.replace("30", "3")))
+    monkeypatch.setattr(module, "PAGE", stale)
     assert module.main(["--check"]) == 1
     assert module.main([]) == 0
-    assert stale.read_text() == readme()
+    assert stale.read_text() == text
 
 
-def test_settings_table_has_one_row_per_setting() -> None:
-    section = readme().split("<!-- settings:start -->")[1].split("<!-- settings:end -->")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == [s.env for s in SETTINGS]
+@pytest.mark.parametrize(("marker", "internal"), [("settings", False),
+                                                  ("internal-settings", True)])
+def test_each_settings_table_has_one_row_per_setting(marker: str, internal: bool) -> None:
+    text = docs.page(CONFIGURATION)
+    table = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [s.env for s in SETTINGS
+                                                   if s.internal is internal]
+    assert "| `None` |" not in table and "(unset)" not in table
 
 
 # -- examples that must match the code -----------------------------------------------------
 def test_dry_run_example_prints_what_the_readme_shows() -> None:
-    text = readme()
-    command_block = next(b for b in blocks("bash") if "--dry-run" in b)
+    text = docs.page(CONFIGURATION)
+    command_block = next(b for b in docs.blocks_of(text, "bash") if "--dry-run" in b)
     shown = text.split(command_block, 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
     env = base_env()
     env.pop("PYTHONPATH", None)
@@ -166,15 +180,23 @@ def error_types() -> dict[str, type[WorkerError]]:
     return found
 
 
+def job_errors_section() -> str:
+    return docs.section(docs.page(ERRORS), "## Job errors")
+
+
 def test_every_error_type_is_in_the_table() -> None:
-    table = readme().split("## Errors", 1)[1].split("## Start-up failures", 1)[0]
+    table = job_errors_section()
     for name in error_types():
         assert f"| `{name}` |" in table, name
 
 
+def error_examples() -> list[Any]:
+    return [json.loads(b) for b in docs.blocks_of(docs.page(ERRORS), "json")]
+
+
 def test_error_examples_have_the_fields_of_their_type() -> None:
     types = error_types()
-    examples = [json.loads(b) for b in blocks("json")]
+    examples = error_examples()
     errors = [e for e in examples if isinstance(e, dict) and "type" in e and "message" in e]
     failed = [e for e in examples if isinstance(e, dict) and e.get("status") == "FAILED"]
     errors += [json.loads(job["error"]) for job in failed]
@@ -201,16 +223,16 @@ def startup_kinds() -> set[str]:
 
 
 def test_every_startup_cause_is_documented() -> None:
-    section = readme().split("## Start-up failures", 1)[1].split("\n## ", 1)[0]
+    section = docs.section(docs.page(ERRORS), "## Start-up failures")
     kinds = startup_kinds()
     assert {"out_of_memory", "gated_model", "bad_argument"} <= kinds
     for kind in kinds:
         assert f"`{kind}`" in section, kind
 
 
-# -- commands and links ------------------------------------------------------------------
+# -- commands ------------------------------------------------------------------------------
 def test_every_readme_command_is_covered_by_a_test() -> None:
-    found = [command for block in blocks("bash")[1:] for command in commands(block)]
+    found = [command for block in docs.blocks("bash")[1:] for command in commands(block)]
     assert sorted(set(found)) == sorted(COVERAGE), "update COVERAGE (and test the command)"
     for where in set(COVERAGE.values()):
         path, name = where.split("::")
@@ -218,37 +240,29 @@ def test_every_readme_command_is_covered_by_a_test() -> None:
 
 
 def test_the_first_block_is_the_projects_two_commands() -> None:
-    first = commands(blocks("bash")[0])
+    first = commands(docs.blocks("bash", [docs.README])[0])
     assert first == ["scripts/run_local.sh", "scripts/test.sh"]
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
     assert "scripts/run_local.sh" in (ROOT / "tests" / "test_run_local.py").read_text()
 
 
-def _anchor(heading: str) -> str:
-    text = heading.strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
+def test_the_readme_is_a_landing_page() -> None:
+    assert len(docs.read(docs.README).splitlines()) <= 300
+    for path in docs.pages()[1:-1]:  # every page of docs/ is one click away
+        assert f"](docs/{path.name})" in docs.read(docs.README), path.name
 
 
-def test_internal_links_point_at_headings() -> None:
-    text = readme()
-    anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
-    links = re.findall(r"\]\(#([^)]+)\)", text)
-    assert links
-    for link in links:
-        assert link in anchors, link
-
-
-def test_variable_to_flag_table_is_what_the_worker_builds() -> None:
+# -- tables that must be what the worker builds ------------------------------------------------
+@pytest.mark.parametrize("header", ["| Variable | Flag |", "| Variable (example) | Flag |"])
+def test_variable_to_flag_tables_are_what_the_worker_builds(header: str) -> None:
     from worker.command import build_command
     from worker.flags import FlagCatalog, packaged_catalog_path
 
     catalog = FlagCatalog.load(packaged_catalog_path())
-    table = readme().split("| Variable | Flag |", 1)[1].split("\n\n", 1)[0]
-    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    rows = docs.table_rows(docs.page(CONFIGURATION), header)
     assert len(rows) >= 6
     for row in rows:
-        variable, flag = (cell.strip().strip("`") for cell in row.strip("|").split(" | "))
+        variable, flag = (cell.strip("`") for cell in row[:2])
         [assignment] = shlex.split(variable)
         name, value = assignment.split("=", 1)
         command = build_command({"MODEL_NAME": "org/model", name: value}, catalog,
@@ -257,13 +271,12 @@ def test_variable_to_flag_table_is_what_the_worker_builds() -> None:
 
 
 def _error_example(kind: str, contains: str = "") -> dict[str, Any]:
-    examples = [json.loads(b) for b in blocks("json")]
-    return next(e for e in examples if isinstance(e, dict) and e.get("type") == kind
+    return next(e for e in error_examples() if isinstance(e, dict) and e.get("type") == kind
                 and contains in e.get("message", ""))
 
 
 def test_error_examples_are_the_workers_words() -> None:
-    """The examples are real messages: rebuilt here from the code (update the README if not)."""
+    """The examples are real messages: rebuilt here from the code (update the page if not)."""
     from tests.launches import launch_of
     from worker.command import build_command
     from worker.diagnosis import diagnose
@@ -300,13 +313,51 @@ def test_error_examples_are_the_workers_words() -> None:
     assert prestart.startswith("vLLM exited with code 1 during start-up for a reason the worker ")
     assert "during start-up for a reason the worker " in policy
 
+    from worker.hub_targets import plan_hub_checks
+    from worker.policy import HubDown, Start, decide
+    from worker.preflight import HubOutage
+
+    image = launch_of({"MODEL_NAME": "Qwen/Qwen3-8B",
+                       "HF_HUB_CACHE": "/runpod-volume/huggingface-cache/hub"})
+    [model] = plan_hub_checks(image.command, image.hub).targets
+    why = "cannot reach Hugging Face (ConnectError: [Errno 111] Connection refused)"
+    down = decide(HubDown(HubOutage("https://huggingface.co", ((model, why),)), 15.2),
+                  Start({}, image.command), [], startup_timeout=1200)
+    assert not isinstance(down, HubDown) and hasattr(down, "error")
+    assert _error_example("hub_unreachable") == down.error.to_dict()
+
+
+def test_the_oom_relaunch_log_lines_are_the_workers() -> None:
+    """The log the out-of-memory section shows: the relaunch, the launch and the timeline."""
+    from tests.launches import launch_of
+    from worker.diagnosis import diagnose
+    from worker.policy import Exited, Relaunch, Start, decide
+
+    shown = docs.section(docs.page(ERRORS), "### The out-of-memory relaunch")
+    log = docs.blocks_of(shown, "text")[0]
+    oom = (ROOT / "tests" / "data" / "failure_logs" / "gpu_cuda_oom_profile_run.log")
+    launch = launch_of({"MODEL_NAME": "Qwen/Qwen3-8B"})
+    tail = tuple(oom.read_text().splitlines())
+    decision = decide(Exited(1, tail, diagnose(tail, 1, launch)), Start({}, launch.command), (),
+                      startup_timeout=1200)
+    assert isinstance(decision, Relaunch)
+    assert f"WARNING worker: relaunching vLLM once with {decision.note}\n" in log
+    startup = (ROOT / "worker" / "startup.py").read_text()
+    for words in ('"relaunching vLLM once with %s"', '"launching: %s"', '"vLLM healthy after'):
+        assert words in startup, words
+    assert "INFO worker: launching: vllm serve " in log
+    assert "INFO worker: vLLM healthy after " in log
+
 
 # -- claims --------------------------------------------------------------------------------
 def prose_paragraphs() -> list[str]:
-    """The README's paragraphs and list items outside code blocks and tables."""
-    text = re.sub(r"```.*?```", "", readme(), flags=re.S)
-    paragraphs = re.split(r"\n\s*\n|\n(?=\* )", text)
-    return [p for p in paragraphs if p.strip() and not p.lstrip().startswith("|")]
+    """Every page's paragraphs and list items outside code blocks and tables."""
+    found = []
+    for path in docs.pages():
+        text = re.sub(r"```.*?```", "", docs.read(path), flags=re.S)
+        paragraphs = re.split(r"\n\s*\n|\n(?=\* )|\n(?=\d+\. )", text)
+        found += [p for p in paragraphs if p.strip() and not p.lstrip().startswith("|")]
+    return found
 
 
 REFERENCE = re.compile(r"`((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?`|`::(\w+)`")
@@ -318,9 +369,12 @@ def test_every_tested_or_measured_claim_names_its_test_or_benchmark() -> None:
     assert unnamed == [], "say which test or benchmark backs each of these"
 
 
-def test_every_test_and_script_the_readme_names_exists() -> None:
-    for match in re.finditer(r"`((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?`", readme()):
-        path, name = ROOT / match[1], match[2]
-        assert path.is_file(), match[0]
-        if name is not None:
-            assert re.search(rf"^(?:async )?def {name}\(", path.read_text(), re.M), match[0]
+def test_every_test_and_script_the_docs_name_exists() -> None:
+    for path in docs.pages():
+        for match in re.finditer(r"`((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?`",
+                                 docs.read(path)):
+            script, name = ROOT / match[1], match[2]
+            assert script.is_file(), (path.name, match[0])
+            if name is not None:
+                assert re.search(rf"^(?:async )?def {name}\(", script.read_text(), re.M), (
+                    path.name, match[0])

@@ -7,7 +7,7 @@ which command, how often, and what the start ends with.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,10 @@ import pytest
 from tests.launches import CATALOG
 from worker.build import Builder
 from worker.config import Launch
-from worker.errors import ConfigError, StartupError
+from worker.errors import ConfigError
+from worker.hub_messages import HubMessage
+from worker.hub_targets import plan_hub_checks
+from worker.preflight import HubOutage, PreflightResult
 from worker.secrets import SecretMasker
 from worker.settings import Settings
 from worker.startup import HubCheck, Startup
@@ -73,14 +76,15 @@ class Script:
         return process.readiness
 
 
-async def no_hub_problem(launch: Launch) -> StartupError | None:
-    return None
+async def no_hub_problem(launch: Launch, only: Collection[str] | None) -> PreflightResult:
+    return PreflightResult()
 
 
 def startup(env: dict[str, str], script: Script, tmp_path: Path, *,
             hub_check: HubCheck = no_hub_problem, settings_error: ConfigError | None = None,
-            baked_args_path: str = "/nonexistent") -> Startup:
-    settings = Settings(base_path=str(tmp_path / "no-volume"), baked_model_file=baked_args_path)
+            baked_args_path: str = "/nonexistent", hub_retry_timeout: float = 15.0) -> Startup:
+    settings = Settings(base_path=str(tmp_path / "no-volume"), baked_model_file=baked_args_path,
+                        hub_retry_timeout=hub_retry_timeout)
     builder = Builder(settings, {"MODEL_NAME": "/models/m", **env},
                       catalog_loader=lambda *_: CATALOG)
     return Startup(builder, masker=SecretMasker(), settings_error=settings_error,
@@ -123,12 +127,14 @@ async def test_the_hub_saying_no_stops_the_loading_vllm(tmp_path: Path) -> None:
             await loading.wait()  # never set: vLLM is still loading
             return Readiness.HEALTHY
 
-    async def hub_says_no(launch: Launch) -> StartupError | None:
-        return StartupError(f"no such model {launch.command.model}", kind="model_not_found")
+    async def hub_says_no(launch: Launch, only: Collection[str] | None) -> PreflightResult:
+        return PreflightResult((HubMessage("model_not_found",
+                                           f"no such model {launch.command.model}.", "x"),))
 
     script = Loading((Readiness.HEALTHY, []))
     outcome = await startup({}, script, tmp_path, hub_check=hub_says_no).run()
-    assert outcome.error is not None and outcome.error.message == "no such model /models/m"
+    assert outcome.error is not None
+    assert outcome.error.message == "no such model /models/m. Fix: x"
     assert script.launches[0].stopped
 
 
@@ -164,3 +170,47 @@ async def test_an_unrecognised_end_is_prestart_failed(
     assert outcome.error is not None and outcome.error.type == "prestart_failed"
     assert outcome.error.extra["logs"] == "RuntimeError: something odd"
     assert script.launches[0].stopped
+
+
+def _down(launch: Launch) -> PreflightResult:
+    [target] = plan_hub_checks(launch.command, launch.hub).targets
+    return PreflightResult(outage=HubOutage("http://hub.internal", ((target, "answered 503"),)))
+
+
+async def test_the_hub_down_stops_vllm_and_is_asked_again_until_it_gives_up(
+    tmp_path: Path
+) -> None:
+    now = [100.0]
+    asked: list[tuple[float, Collection[str] | None]] = []
+
+    async def down(launch: Launch, only: Collection[str] | None) -> PreflightResult:
+        asked.append((now[0] - 100.0, only))
+        return _down(launch)
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    script = Script((Readiness.HEALTHY, []))
+    start = startup({"MODEL_NAME": "acme/x", "HF_HOME": str(tmp_path / "hf")}, script, tmp_path,
+                    hub_check=down, hub_retry_timeout=10)
+    start._clock, start._sleep = (lambda: now[0]), sleep
+    outcome = await start.run()
+    assert outcome.error is not None and outcome.error.type == "hub_unreachable"
+    assert script.launches[0].stopped and len(script.launches) == 1
+    # Asked at once, then 1, 2, 4 and 8 s after, the last at HUB_RETRY_TIMEOUT; about the repo
+    # that was down only.
+    assert asked == [(0.0, None), *((t, {"acme/x"}) for t in (1.0, 2.0, 4.0, 8.0, 10.0))]
+    assert "The worker kept asking for 10 s (HUB_RETRY_TIMEOUT)." in outcome.error.message
+
+
+async def test_vllm_is_launched_again_once_the_hub_answers(tmp_path: Path) -> None:
+    answers = iter(["down", "down", "up", "up"])
+
+    async def flaky(launch: Launch, only: Collection[str] | None) -> PreflightResult:
+        return _down(launch) if next(answers) == "down" else PreflightResult()
+
+    script = Script((Readiness.HEALTHY, []), (Readiness.HEALTHY, []))
+    outcome = await startup({"MODEL_NAME": "acme/x", "HF_HOME": str(tmp_path / "hf")}, script,
+                            tmp_path, hub_check=flaky, hub_retry_timeout=30).run()
+    assert outcome.ready and outcome.tried == []
+    assert [p.stopped for p in script.launches] == [True, False]

@@ -1,14 +1,21 @@
-"""The tiny random model and the environment of a worker serving it on the CPU vLLM.
+"""The tiny random models and the environment of a worker serving one on the CPU vLLM.
 
 Shared by the test fixtures (tests/conftest.py) and the scripts that start a real vLLM
-outside pytest (scripts/soak.py), so that both serve the very same model and settings.
+outside pytest (scripts/soak.py), so that both serve the very same model and settings. The
+tiny Llama serves the text routes; the tiny Whisper the speech-to-text ones, which take the
+one-second WAV made here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import math
 import shutil
+import struct
 import subprocess
+import wave
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,13 +25,27 @@ CACHE = ROOT / ".cache"
 def build_tiny_model(vllm_python: str) -> Path:
     """The tiny random Llama (and its LoRA adapter, ``lora/``), built once per version of
     its script and cached."""
-    script = ROOT / "scripts" / "make_tiny_model.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
-    out = CACHE / f"tiny-model-{digest}"
+    return _built(vllm_python, "tiny-model", ["make_tiny_model.py"],
+                  lambda out: ["--lora", str(out / "lora")])
+
+
+def build_tiny_whisper(vllm_python: str) -> Path:
+    """The tiny random Whisper, built once per version of its script (and of the tiny Llama's,
+    whose corpus its tokenizer is trained on) and cached."""
+    return _built(vllm_python, "tiny-whisper", ["make_tiny_whisper.py", "make_tiny_model.py"])
+
+
+def _built(vllm_python: str, name: str, scripts: list[str],
+           more_args: Callable[[Path], list[str]] = lambda out: []) -> Path:
+    """The folder that ``scripts[0]`` writes (given the folder and ``more_args`` of it),
+    cached under .cache/ by a digest of ``scripts``."""
+    paths = [ROOT / "scripts" / script for script in scripts]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in paths)).hexdigest()[:12]
+    out = CACHE / f"{name}-{digest}"
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([vllm_python, str(script), str(tmp), "--lora", str(tmp / "lora")],
+        subprocess.run([vllm_python, str(paths[0]), str(tmp), *more_args(tmp)],
                        check=True, timeout=600)
         tmp.rename(out)
     return out
@@ -53,3 +74,25 @@ def tiny_env(vllm_executable: str, model: Path, scratch: dict[str, str]) -> dict
         "VLLM_STARTUP_TIMEOUT": "300",
         "MAX_CONCURRENCY": "8",
     }
+
+
+def whisper_env(vllm_executable: str, model: Path, scratch: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker serving the tiny Whisper: the tiny Llama's, with the
+    model's own context (its 2048 decoder positions) instead of MAX_MODEL_LEN=512."""
+    env = tiny_env(vllm_executable, model, scratch)
+    del env["MAX_MODEL_LEN"]
+    return env
+
+
+def sine_wav(seconds: float = 1.0, rate: int = 16000, frequency: float = 440.0) -> bytes:
+    """A WAV file of a sine tone: 16-bit mono PCM at ``rate`` (Whisper's 16 kHz: vLLM then
+    decodes it with soundfile alone, without resampling)."""
+    frames = int(seconds * rate)
+    samples = (round(16000 * math.sin(2 * math.pi * frequency * i / rate)) for i in range(frames))
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(struct.pack(f"<{frames}h", *samples))
+    return buffer.getvalue()

@@ -18,9 +18,11 @@ from worker.catalog import resolve_catalog
 from worker.command import build_command
 from worker.config import HubAccess, Launch, VllmCommand
 from worker.flags import FlagCatalog
+from worker.hub_cache import CachedRepo, read_cached_repo
 from worker.inputs import read_text
+from worker.model_source import resolve_sources, runpod_cache_dir
 from worker.settings import WORKER_SETTING_NAMES, Settings
-from worker.values import is_true
+from worker.values import is_true, parse_bool
 from worker.volume_cache import CacheChoice, choose_cache_root
 
 logger = logging.getLogger("worker")
@@ -109,10 +111,13 @@ def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = read_te
 
     offline = next((f"{name}={env[name].strip()}" for name in _OFFLINE_VARIABLES
                     if is_true(env.get(name))), None)
+    online = next((f"{name}={env[name].strip()}" for name in _OFFLINE_VARIABLES
+                   if parse_bool(env.get(name, "")) is False), None)
     return HubAccess(
         token=token,
         endpoint=env.get("HF_ENDPOINT", "").strip().rstrip("/") or None,
         offline=offline,
+        online_forced=online if offline is None else None,
         modelscope=is_true(env.get("VLLM_USE_MODELSCOPE")),
         cache_dirs=tuple(cache_dirs),
     )
@@ -124,7 +129,8 @@ class Builder:
     The flag catalog is resolved once (a relaunch builds again with the same one). ``host``
     and ``port`` are where vLLM listens: loopback behind the worker, ``0.0.0.0`` in a plain
     pod (``behind_worker=False``, where vLLM also keeps ``VLLM_API_KEY``). The files read
-    (config file, baked model file, token file) go through ``file_exists`` and ``read_text``.
+    (config file, baked model file, token file) go through ``file_exists`` and ``read_text``,
+    the Hugging Face caches through ``read_repo``.
     """
 
     def __init__(
@@ -138,6 +144,7 @@ class Builder:
         catalog_loader: Callable[[Settings, Mapping[str, str]], FlagCatalog] = load_catalog,
         file_exists: Callable[[str], bool] = os.path.exists,
         read_text: Callable[[str], str] = read_text,
+        read_repo: Callable[[str, str], CachedRepo | None] = read_cached_repo,
     ) -> None:
         self.settings = settings
         self.env = dict(env)
@@ -148,6 +155,7 @@ class Builder:
         self._catalog: FlagCatalog | None = None
         self._file_exists = file_exists
         self._read_text = read_text
+        self._read_repo = read_repo
 
     @property
     def catalog(self) -> FlagCatalog:
@@ -169,14 +177,21 @@ class Builder:
         )
 
     def launch(self, env: Mapping[str, str] | None = None) -> Launch:
-        """One start: the command for ``env`` and the environment vLLM gets with it."""
+        """One start: the command for ``env``, where its model comes from (the caches are read:
+        run it off the event loop), and the environment vLLM gets with it."""
         source = self.env if env is None else env
         command = self.command(source)
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
+        hub = hub_access(child, self._read_text)
+        caches = list(dict.fromkeys(os.path.normpath(path) for path in (
+            *hub.cache_dirs[:1], runpod_cache_dir(self.settings.base_path))))
+        sources = resolve_sources(command, hub, self._read_repo, caches=caches,
+                                  path_exists=self._file_exists)
+        child.update(sources.env)
         return Launch(
-            command=command,
+            command=command.with_model_sources(sources),
             env=child,
-            hub=hub_access(child, self._read_text),
+            hub=hub,
             base_path=self.settings.base_path,
         )
 

@@ -4,8 +4,9 @@ Every environment variable whose name is the UPPER_SNAKE form of a `vllm serve` 
 :class:`~worker.flags.FlagCatalog` becomes that flag (``MAX_MODEL_LEN=8192`` →
 ``--max-model-len 8192``, ``ENFORCE_EAGER=true`` → ``--enforce-eager``). Deriving the
 mapping from vLLM's own parser means a new vLLM flag works without a worker release, and a
-typo is never guessed into some other flag. Everything else in the environment (PATH, HOME,
-the platform's variables) is ignored.
+typo is never guessed into some other flag (a warning names the one it probably meant).
+Everything else in the environment (PATH, HOME, the platform's variables) is ignored; what
+is said of the names that set no flag lives in :mod:`worker.names`.
 
 Precedence, lowest first (vLLM lets later command-line flags win over earlier ones and over
 the config file): the YAML config file (``--config``), generic variables, the legacy alias
@@ -28,6 +29,9 @@ from worker.config import FlagSetting, FlagSource, VllmCommand
 from worker.errors import ConfigError
 from worker.flags import Flag, FlagCatalog
 from worker.inputs import read_baked_args, read_config_file, read_text
+from worker.names import COLLIDING_NAMES as COLLIDING_NAMES  # read here by gen_readme, tests
+from worker.names import EARLIER_NAMES, SPECULATIVE_PARTS, probable_name, speculative_config_hint
+from worker.names import RETIRED as RETIRED
 from worker.render import LORA_FLAG, Rendered, render
 from worker.secrets import SECRET_FLAGS, is_secret_name
 from worker.settings import WORKER_SETTING_NAMES
@@ -71,43 +75,6 @@ _FORBIDDEN_PREFIXES: Mapping[str, str] = {
     "--ssl-": "the worker speaks plain HTTP to vLLM on 127.0.0.1 (the platform terminates TLS)",
     "--enable-ssl-": "the worker speaks plain HTTP to vLLM on 127.0.0.1 (the platform "
     "terminates TLS)",
-}
-
-#: Common variables that happen to equal a flag's name but belong to someone else: they are
-#: ignored like PATH. (torch.distributed / multi-node platforms set the MASTER_* and rank
-#: variables; LOG_LEVEL is a generic knob whose usual lowercase values vLLM rejects;
-#: vLLM reads HF_TOKEN from its environment, where a secret belongs.)
-COLLIDING_NAMES: frozenset[str] = frozenset(
-    {"LOG_LEVEL", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "HF_TOKEN"}
-)
-
-#: Variables of flags that vLLM removed, with what to use instead. Consulted only when the
-#: catalog lacks the flag, so a vLLM that brings one back simply gets it.
-RETIRED: Mapping[str, str] = {
-    "SWAP_SPACE": "vLLM V1 has no CPU swap space; remove it (KV_OFFLOADING_SIZE offloads "
-    "KV cache to CPU memory)",
-    "DISABLE_LOG_REQUESTS": "requests are not logged by default; use "
-    "--enable-log-requests (ENABLE_LOG_REQUESTS=true) to log them",
-    "DISABLE_LOGGING_REQUEST": "requests are not logged by default; use "
-    "--enable-log-requests (ENABLE_LOG_REQUESTS=true) to log them",
-    "GUIDED_DECODING_BACKEND": 'use STRUCTURED_OUTPUTS_CONFIG=\'{"backend": "xgrammar"}\'',
-    "TASK": "use RUNNER (generate, pooling) and CONVERT (embed, classify, ...)",
-    "ROPE_SCALING": 'use HF_OVERRIDES=\'{"rope_scaling": {...}}\'',
-    "ROPE_THETA": 'use HF_OVERRIDES=\'{"rope_theta": 1000000}\'',
-    "ENABLE_REASONING": "set REASONING_PARSER alone",
-    "SPECULATIVE_MODEL": "use SPEC_MODEL or SPECULATIVE_CONFIG",
-    "NUM_SPECULATIVE_TOKENS": "use SPEC_TOKENS or SPECULATIVE_CONFIG",
-    "MAX_SEQ_LEN_TO_CAPTURE": "use MAX_CUDAGRAPH_CAPTURE_SIZE",
-    "WORKER_USE_RAY": "use DISTRIBUTED_EXECUTOR_BACKEND=ray",
-    "DEVICE": "vLLM detects the device; remove it",
-    "PREEMPTION_MODE": "vLLM V1 always preempts by recomputation; remove it",
-    "NUM_SCHEDULER_STEPS": "multi-step scheduling was removed; remove it",
-    "USE_V2_BLOCK_MANAGER": "it is the only block manager; remove it",
-    "TOKENIZER_POOL_SIZE": "the tokenizer pool was removed; remove it",
-    "TOKENIZER_POOL_TYPE": "the tokenizer pool was removed; remove it",
-    "LORA_EXTRA_VOCAB_SIZE": "LoRA extra vocabularies were removed; remove it",
-    "SCHEDULER_DELAY_FACTOR": "removed from vLLM; remove it",
-    "DISABLE_ASYNC_OUTPUT_PROC": "removed from vLLM; remove it",
 }
 
 #: Values that mean "not set" for some flags (earlier releases of the worker used them).
@@ -260,10 +227,13 @@ def _choose(
 ) -> dict[str, _Choice]:
     """Pick, for each flag, the one variable that sets it (aliases win, then canonical names)."""
     claims: list[_Choice] = []
+    unknown: list[str] = []
     for var, value in values.items():
         if not value.strip():
             continue  # an empty variable is unset (Runpod's UI leaves many of them empty)
         flag, kind = _flag_of(var, catalog, warnings)
+        if kind == "unknown":
+            unknown.append(var)
         if flag is None:
             continue
         if UNSET_VALUES.get(var) == value.strip():
@@ -285,13 +255,54 @@ def _choose(
                 f"flag ({claim.flag.name})"
             )
         chosen[claim.flag.name] = claim
+    _explain_ignored(values, unknown, catalog, warnings)
     return chosen
+
+
+def _explain_ignored(
+    values: Mapping[str, str], unknown: list[str], catalog: FlagCatalog, warnings: list[str]
+) -> None:
+    """Say what the variables that set nothing were meant as: the earlier speculative
+    variables as one SPECULATIVE_CONFIG, and the names that look like typos of a known one."""
+    hint = speculative_config_hint(
+        values, [var for var in SPECULATIVE_PARTS if catalog.by_env_name(var) is None],
+        catalog.version,
+    )
+    if hint is not None:
+        warnings.append(hint)
+    if not unknown:
+        return
+    known = _typo_targets(catalog)
+    for var in unknown:
+        option = "--" + var.lower().replace("_", "-")
+        pair = catalog.get(option)
+        if pair is not None and pair.negative == option:  # NO_ENFORCE_EAGER
+            warnings.append(f"{var} is ignored: {option} is set by {pair.env_name}=false")
+            continue
+        meant = probable_name(var, known)
+        if meant is None:
+            continue
+        flag = catalog.by_env_name(meant)
+        what = ALIASES.get(meant) or (flag.name if flag is not None else "a setting of the worker")
+        warnings.append(
+            f"{var} is ignored: it is no flag of vLLM {catalog.version} and no setting of the "
+            f"worker; did you mean {meant} ({what})?"
+        )
+
+
+def _typo_targets(catalog: FlagCatalog) -> frozenset[str]:
+    """The names a typo is taken for: every flag variable the worker passes on, its settings
+    and its aliases (not the reserved flags, secrets, or names that belong to others)."""
+    flags = {flag.env_name for flag in catalog
+             if _reserved_reason(flag.name) is None and not is_secret_name(flag.env_name)}
+    return frozenset((flags | WORKER_SETTING_NAMES | ALIASES.keys()) - COLLIDING_NAMES)
 
 
 def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag | None, str]:
     """The flag a variable sets (None when it sets none) and how (``alias`` or ``env``).
 
-    Warns about variables that clearly meant a flag but cannot be used (reserved, retired).
+    Warns about variables that clearly meant a flag but cannot be used (reserved, retired,
+    earlier names); ``unknown`` is a name the worker knows nothing of (PATH, or a typo).
     """
     if var in WORKER_SETTING_NAMES or var in COLLIDING_NAMES:
         return None, ""
@@ -302,10 +313,19 @@ def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag 
         return flag, "alias"
     flag = catalog.by_env_name(var)
     if flag is None:
+        if var in SPECULATIVE_PARTS:
+            return None, ""  # one warning says all of them, with their SPECULATIVE_CONFIG
         if var in RETIRED:
             warnings.append(
                 f"{var} is ignored: vLLM {catalog.version} removed that flag; {RETIRED[var]}"
             )
+        elif var in EARLIER_NAMES:
+            warnings.append(
+                f"{var} is ignored: it is no flag of vLLM {catalog.version} and no setting of "
+                f"this worker (the earlier worker's name); {EARLIER_NAMES[var]}"
+            )
+        else:
+            return None, "unknown"
         return None, ""
     reason = _reserved_reason(flag.name)
     if reason is not None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
 
 from worker.secrets import SecretMasker
+
+if TYPE_CHECKING:
+    from worker.model_source import ModelSources
 
 SourceKind = Literal["env", "alias", "config_file", "extra_args", "baked", "worker"]
 
@@ -119,13 +122,29 @@ class VllmCommand:
 
     ``flags`` holds every flag the command sets, in command-line order (the worker's own
     ``--host``/``--port`` last). ``env_overrides`` are variables the worker sets in vLLM's
-    environment (``HF_HUB_OFFLINE=1`` for a baked model).
+    environment (``HF_HUB_OFFLINE=1`` for a baked model or a cached one). ``model_sources`` says
+    where each repo comes from (:mod:`worker.model_source`), once the caches were read.
     """
 
     argv: tuple[str, ...]
     flags: Mapping[str, FlagSetting] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     env_overrides: Mapping[str, str] = field(default_factory=dict)
+    model_sources: ModelSources | None = None
+
+    def with_model_sources(self, sources: ModelSources) -> VllmCommand:
+        """This command with what ``sources`` decided: its variables, and the revisions it pins
+        (before the worker's own ``--host``/``--port``, which stay last)."""
+        pins = [arg for flag, value in sources.flags.items() for arg in (flag, value)]
+        argv = (*self.argv[:-4], *pins, *self.argv[-4:]) if pins else self.argv
+        flags = {name: setting for name, setting in self.flags.items()
+                 if name not in sources.flags}
+        tail: dict[str, FlagSetting] = {
+            name: flags.pop(name) for name in ("--host", "--port") if name in flags}
+        for flag, value in sources.flags.items():
+            flags[flag] = FlagSetting(FlagSource("worker"), (value,))
+        return replace(self, argv=argv, flags={**flags, **tail}, model_sources=sources,
+                       env_overrides={**self.env_overrides, **sources.env})
 
     # -- reading flags -----------------------------------------------------------------
     @property
@@ -214,12 +233,14 @@ class HubAccess:
     """What vLLM's environment says about the Hugging Face Hub, read once with that env.
 
     ``offline`` says why vLLM will not ask the Hub (``HF_HUB_OFFLINE=1``), None when it
-    will; ``cache_dirs`` are where a copy of a repo would be found.
+    will; ``online_forced`` that the user wants it to ask (``HF_HUB_OFFLINE=0``), whatever the
+    cache holds; ``cache_dirs`` are where a copy of a repo would be found, vLLM's own first.
     """
 
     token: str | None = None
     endpoint: str | None = None
     offline: str | None = None
+    online_forced: str | None = None
     modelscope: bool = False
     cache_dirs: tuple[str, ...] = ()
 

@@ -97,3 +97,13 @@ class PrestartFailed(WorkerError):
     def __init__(self, message: str, **extra: Any) -> None:
         super().__init__(message, **extra)
         self.code = None
+
+
+class HubUnreachable(PrestartFailed):
+    """The Hub did not answer for a model that is not cached; the platform retries later.
+
+    A :class:`PrestartFailed` in what the worker does (one job is answered, then it exits
+    non-zero): an outage is transient, so a fresh worker may succeed where this one cannot.
+    """
+
+    type = "hub_unreachable"

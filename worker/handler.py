@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -39,6 +40,7 @@ from worker.errors import (
     VllmError,
     WorkerError,
 )
+from worker.forms import encode_form
 from worker.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input
 from worker.settings import Settings
 
@@ -304,8 +306,7 @@ class Proxy:
         model = await self.served_model()
         if model is None:
             return request
-        return VllmRequest(request.method, request.route, {**body, "model": model},
-                           request.stream, request.batch)
+        return dataclasses.replace(request, body={**body, "model": model})
 
     async def served_model(self) -> str | None:
         """The served model name: fixed by configuration, else vLLM's first, cached."""
@@ -328,12 +329,13 @@ class Proxy:
 
     async def _forward(self, request: VllmRequest) -> AsyncIterator[Any]:
         client = self._get_client()
+        content, content_type = _content(request)
         outgoing = client.build_request(
             request.method,
             # An absolute URL: merging with a base_url re-parses both on every request.
             httpx.URL(self._base_url + request.route),
-            content=None if request.body is None else json.dumps(request.body).encode(),
-            headers={"content-type": "application/json"} if request.body is not None else None,
+            content=content,
+            headers={"content-type": content_type} if content_type is not None else None,
         )
         response = await self._send(outgoing)
         try:
@@ -428,6 +430,15 @@ class Proxy:
                 name = sent_model(response.request.content)
                 message = self._adapters.explain(response.status_code, detail, name) or message
         return VllmError(message, code=response.status_code, vllm=detail)
+
+
+def _content(request: VllmRequest) -> tuple[bytes | None, str | None]:
+    """The request's body and its Content-Type: a form, JSON, or nothing."""
+    if request.form is not None:
+        return encode_form(request.form)
+    if request.body is not None:
+        return json.dumps(request.body).encode(), "application/json"
+    return None, None
 
 
 def _first_model_id(response: httpx.Response) -> str | None:

@@ -8,6 +8,7 @@ explanation here, so they say the same thing in the same words.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +21,7 @@ __all__ = [
     "not_found_message",
     "repo_page",
     "revision_not_found_message",
+    "unreachable_message",
 ]
 
 HUB_URL = "https://huggingface.co"
@@ -203,3 +205,33 @@ def disabled_message(
     cause = _sentence(f"Hugging Face has disabled access to {subject}", evidence)
     fix = f"Choose another {role} in {variable}."
     return HubMessage("model_disabled", cause, fix)
+
+
+def unreachable_message(
+    endpoint: str,
+    repos: Sequence[tuple[str, str, str, str]],
+    *,
+    tried_for: float,
+    caches: Sequence[str],
+) -> HubMessage:
+    """The Hub did not answer for repos that are not cached: kind ``hub_unreachable``.
+
+    ``repos``: (repo, role, variable, how it failed) for each repo it did not answer for;
+    ``tried_for``: how long the worker kept asking; ``caches``: where it looked for a copy.
+    """
+    what = "; ".join(f"the {role} {repo} ({variable}): {how}" for repo, role, variable, how
+                     in repos)
+    where = ", ".join(caches) or "the Hugging Face cache"
+    cause = (
+        f"The Hugging Face Hub at {endpoint} did not answer for {what}. The worker kept asking "
+        f"for {tried_for:.0f} s (HUB_RETRY_TIMEOUT). No complete copy is cached ({where}), so "
+        "vLLM cannot load the model without the Hub."
+    )
+    fix = (
+        "Retry later: this worker exits so that the platform starts a fresh one. To start "
+        "without the Hub, keep the model where a start finds it: a network volume (mounted at "
+        "/runpod-volume; one start that reaches the Hub downloads the model there), Runpod's "
+        "cached models for this endpoint, or the model baked into the image (MODEL_NAME build "
+        "argument). If you set HF_ENDPOINT, check that it is the right address."
+    )
+    return HubMessage("hub_unreachable", cause, fix)

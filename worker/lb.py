@@ -6,7 +6,9 @@ initialises, ``200`` when healthy, anything else (or no answer) unhealthy. vLLM 
 answer nothing while it loads, so the worker listens on ``PORT`` (and ``PORT_HEALTH``) from
 its first second and relays every other path to vLLM on loopback, byte for byte:
 
-* starting → health ``204``; requests ``503`` with ``Retry-After`` and an OpenAI-style error;
+* starting → health ``204``; requests ``503`` with ``Retry-After`` and an OpenAI-style error
+  that says what the start is doing (its ``phase``, and the model's ``downloads`` with bytes
+  done, total, rate and time left);
 * healthy → health ``200``; requests relayed (streams unbuffered, chunk by chunk);
 * a start no restart can fix (``startup_error``) → health ``200`` and every request an HTTP
   ``500`` whose JSON error is the cause and the fix: the user reads it in their client's
@@ -193,8 +195,10 @@ class LoadBalancerWorker:
 
     def _refusal(self) -> web.Response:
         if self.state is State.STARTING:
+            progress = self.startup.progress
             error: WorkerError = BackendUnavailable(
-                "vLLM is still starting (the model loads): retry in a few seconds.")
+                f"vLLM is still starting ({progress.describe()}): retry in a few seconds.",
+                **progress.as_dict())
             headers = {"Retry-After": str(RETRY_AFTER)}
         else:
             error = self._error or BackendUnavailable("The worker is stopping.")

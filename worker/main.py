@@ -59,24 +59,45 @@ def setup_logging(masker: SecretMasker, level: str) -> None:
 
 
 def dry_run(builder: Builder, masker: SecretMasker) -> int:
-    """Print the `vllm serve` line that would run (stdout) and where each flag came from."""
+    """Print the `vllm serve` line that would run (stdout), where each flag came from and
+    where the model comes from (the caches are read, as at the start)."""
     try:
-        command = builder.command()
+        command = builder.launch().command
     except ConfigError as exc:
         print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
     print(command.shell_line(masker))
     for flag, source in command.sources.items():
         print(f"  {flag:<40} from {source}", file=sys.stderr)
+    if command.model_sources is not None:
+        for line in command.model_sources.lines():
+            print(f"model source: {masker.mask(line)}", file=sys.stderr)
     for warning in command.warnings:
         print(f"warning: {masker.mask(warning)}", file=sys.stderr)
     return 0
 
 
+def open_port_warning(vllm_env: Mapping[str, str], port: int) -> str | None:
+    """What to tell when vLLM will answer anyone on 0.0.0.0:``port`` (None: it needs a key).
+
+    vLLM requires a key when VLLM_API_KEY is non-empty in its environment (``vllm_env``), as
+    vLLM 0.32 reads it (entrypoints/serve/middleware/register.py). The value is never said.
+    """
+    if vllm_env.get("VLLM_API_KEY"):
+        return None
+    pod = vllm_env.get("RUNPOD_POD_ID", "").strip() or "<POD_ID>"
+    return (
+        f"VLLM_API_KEY is not set: vLLM answers every request on 0.0.0.0:{port} without a key; "
+        f"on a Runpod pod whose HTTP port {port} is exposed, anyone with its address "
+        f"(https://{pod}-{port}.proxy.runpod.net) can use the model. Set VLLM_API_KEY (as a "
+        "Runpod secret) and clients send it as 'Authorization: Bearer <key>'"
+    )
+
+
 def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) -> int:
     """Replace this process with `vllm serve` on 0.0.0.0:$PORT (one image, two uses)."""
-    builder = Builder(settings, env, host="0.0.0.0", port=settings.effective_port,
-                      behind_worker=False)
+    port = settings.effective_port
+    builder = Builder(settings, env, host="0.0.0.0", port=port, behind_worker=False)
     try:
         launch = builder.launch()
     except ConfigError as exc:
@@ -85,6 +106,8 @@ def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) 
     command = launch.command
     for warning in command.warnings:
         logger.warning("%s", masker.mask(warning))
+    if (open_port := open_port_warning(launch.env, port)) is not None:
+        logger.warning("%s", open_port)
     logger.info("exec: %s", command.shell_line(masker))
     os.execvpe(command.argv[0], list(command.argv), dict(launch.env))
 

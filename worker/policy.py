@@ -7,7 +7,11 @@ it says. Every branch is table-tested without a process.
 
 * healthy → serve;
 * the hub pre-flight proved the start cannot work → that ``startup_error``;
-* out of memory while vLLM sized its buffers → one relaunch with a smaller footprint;
+* the Hub did not answer for a model that is not cached (vLLM was stopped) → ask it again
+  1, 2, 4, 8 s later, until HUB_RETRY_TIMEOUT, then ``hub_unreachable`` (the worker exits, the
+  platform retries); the runner relaunches vLLM as soon as the Hub answers;
+* out of memory while vLLM sized its buffers → one relaunch with a smaller footprint (unless
+  WORKER_OOM_RELAUNCH=false);
 * a full disk with vLLM's cache on the volume → one relaunch with the cache on local disk;
   (what a relaunch changes is read from the command: the flags as they were resolved);
 * any other diagnosed failure (or one a relaunch did not fix) → ``startup_error``;
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 
 from worker.config import VllmCommand
 from worker.diagnosis import Diagnosis, root_excerpt
-from worker.errors import PrestartFailed, StartupError, WorkerError
+from worker.errors import HubUnreachable, PrestartFailed, StartupError, WorkerError
+from worker.hub_messages import unreachable_message
+from worker.preflight import HubOutage
 
 __all__ = [
     "Attempt",
@@ -29,16 +35,21 @@ __all__ = [
     "Exited",
     "Fail",
     "Healthy",
+    "HubDown",
     "HubRefused",
     "Relaunch",
     "Serve",
     "Start",
     "TimedOut",
+    "WaitForHub",
     "decide",
+    "hub_retry_delay",
     "smaller_footprint",
 ]
 
 SMALLER_FOOTPRINT_BATCHED_TOKENS = 8192
+#: The longest wait between two questions to an unreachable Hub.
+HUB_RETRY_MAX_DELAY = 8.0
 #: The share of a job's ``logs`` given to the root error; the tail gets the rest.
 _LOGS_FOR_JOBS = 4000
 _ROOT_SHARE = 1800
@@ -70,6 +81,15 @@ class HubRefused:
 
 
 @dataclass(frozen=True)
+class HubDown:
+    """The Hub did not answer for repos vLLM must download (vLLM was stopped), for
+    ``down_for`` seconds now."""
+
+    outage: HubOutage
+    down_for: float = 0.0
+
+
+@dataclass(frozen=True)
 class Exited:
     """vLLM exited during its start; ``log_tail`` is its last lines (masked)."""
 
@@ -86,7 +106,7 @@ class TimedOut:
     log_tail: tuple[str, ...]
 
 
-Attempt = Healthy | HubRefused | Exited | TimedOut
+Attempt = Healthy | HubRefused | HubDown | Exited | TimedOut
 
 
 # -- what to do next -----------------------------------------------------------------------
@@ -110,7 +130,14 @@ class Fail:
     error: WorkerError
 
 
-Decision = Serve | Relaunch | Fail
+@dataclass(frozen=True)
+class WaitForHub:
+    """Ask the Hub again in ``delay`` seconds (vLLM stays stopped until it answers)."""
+
+    delay: float
+
+
+Decision = Serve | Relaunch | Fail | WaitForHub
 
 
 def decide(
@@ -119,6 +146,8 @@ def decide(
     tried: Sequence[str],
     *,
     startup_timeout: float,
+    hub_retry_timeout: float = 15.0,
+    oom_relaunch: bool = True,
     mask: Callable[[str], str] = str,
 ) -> Decision:
     """What to do after ``attempt`` of ``start``, with ``tried`` relaunches behind it."""
@@ -126,6 +155,11 @@ def decide(
         return Serve()
     if isinstance(attempt, HubRefused):
         return Fail(attempt.error)
+    if isinstance(attempt, HubDown):
+        delay = hub_retry_delay(attempt.down_for, hub_retry_timeout)
+        if delay is not None:
+            return WaitForHub(delay)
+        return Fail(hub_unreachable(attempt, start))
     if isinstance(attempt, TimedOut):
         return Fail(PrestartFailed(
             f"vLLM was not healthy after {startup_timeout:g} s (VLLM_STARTUP_TIMEOUT).",
@@ -141,7 +175,8 @@ def decide(
             logs=logs_for_jobs(attempt.log_tail, attempt.exit_code),
         ))
     if not tried:
-        if diagnosis.recoverable_by_smaller_footprint and (smaller := smaller_footprint(start)):
+        if (oom_relaunch and diagnosis.recoverable_by_smaller_footprint
+                and (smaller := smaller_footprint(start))):
             return smaller
         if diagnosis.kind == "disk_full" and start.volume_cache is not None:
             local = {name: value for name, value in start.env.items()
@@ -151,6 +186,28 @@ def decide(
     if tried:
         message += f" Already tried: {', '.join(tried)}."
     return Fail(StartupError(mask(message), kind=diagnosis.kind))
+
+
+def hub_retry_delay(down_for: float, timeout: float) -> float | None:
+    """Seconds until the next question to a Hub down for ``down_for`` s, None: give up.
+
+    The waits double from 1 s (questions 1, 2, 4, 8 s after the first failure, then every
+    ``HUB_RETRY_MAX_DELAY``), the last one falls at ``timeout``.
+    """
+    if down_for >= timeout:
+        return None
+    return min(max(1.0, down_for), HUB_RETRY_MAX_DELAY, timeout - down_for)
+
+
+def hub_unreachable(attempt: HubDown, start: Start) -> HubUnreachable:
+    """The error of a start the Hub did not answer for: where it was asked, for what, how."""
+    sources = start.command.model_sources
+    caches = sources.caches if sources is not None else ()
+    message = unreachable_message(
+        attempt.outage.endpoint,
+        [(t.repo, t.role, t.variable, how) for t, how in attempt.outage.repos],
+        tried_for=attempt.down_for, caches=caches)
+    return HubUnreachable(message.message, kind=message.kind, endpoint=attempt.outage.endpoint)
 
 
 def smaller_footprint(start: Start) -> Relaunch | None:

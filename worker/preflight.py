@@ -31,21 +31,21 @@ it is never logged, and every text this module returns is masked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
-import re
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 from worker.config import HubAccess, VllmCommand
+from worker.daemon import in_daemon_thread
 from worker.errors import StartupError
+from worker.hub_files import ListedFile, RepoListing
 from worker.hub_messages import (
+    HUB_URL,
     HubMessage,
     disabled_message,
     gated_message,
@@ -53,16 +53,18 @@ from worker.hub_messages import (
     not_found_message,
     revision_not_found_message,
 )
+from worker.hub_targets import HubTarget, plan_hub_checks
+from worker.model_source import RepoSource
 from worker.secrets import SecretMasker
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "HubApi",
-    "HubPlan",
-    "HubTarget",
+    "HubOutage",
+    "ListedFile",
     "PreflightResult",
+    "RepoListing",
     "default_hf_api",
-    "plan_hub_checks",
     "preflight",
 ]
 
@@ -72,129 +74,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 15.0
 
 _T = TypeVar("_T")
-
-
-# -- what to check -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class HubTarget:
-    """One repo vLLM would fetch from the Hub, and the settings that named it."""
-
-    repo: str
-    revision: str | None
-    role: str
-    """``model``, ``tokenizer`` or ``LoRA adapter``."""
-    variable: str
-    """The setting that holds the repo id (``MODEL_NAME``, the path of a LORA_MODULES entry)."""
-    revision_variable: str
-    """The setting that holds the revision, for the "revision not found" message."""
-
-    @property
-    def label(self) -> str:
-        return f"{self.repo}@{self.revision}" if self.revision else self.repo
-
-
-@dataclass(frozen=True)
-class HubPlan:
-    """The repos to ask the Hub about, and why anything else is not asked about."""
-
-    targets: tuple[HubTarget, ...]
-    skipped: tuple[str, ...]
-
-
-#: A repo id as huggingface_hub's validate_repo_id accepts it: ``name`` or ``namespace/name``.
-_REPO_PART = r"\w(?:[\w.-]*\w)?"
-_REPO_ID = re.compile(rf"(?:{_REPO_PART}/)?{_REPO_PART}")
-_REPO_ID_MAX = 96
-
-
-def _is_repo_id(text: str) -> bool:
-    return (
-        _REPO_ID.fullmatch(text) is not None
-        and len(text.rsplit("/", 1)[-1]) <= _REPO_ID_MAX
-        and "--" not in text
-        and ".." not in text
-        and not text.endswith(".git")
-    )
-
-
-def _setting(command: VllmCommand, flag: str, default: str) -> str:
-    """The setting through which the user set ``flag`` (``default`` when none did)."""
-    return command.setting_of(flag) or default
-
-
-def plan_hub_checks(
-    command: VllmCommand,
-    hub: HubAccess,
-    *,
-    path_exists: Callable[[str], bool] = os.path.exists,
-) -> HubPlan:
-    """The Hub repos ``command`` makes vLLM fetch (pure but for ``path_exists``).
-
-    Mirrors vLLM 0.32's ModelConfig: the tokenizer defaults to the model, and the tokenizer's
-    revision to ``--tokenizer-revision``, else the model's revision (also for another
-    tokenizer repo). Every value is the one the command passes, whatever set it.
-    """
-    if command.baked_model is not None:
-        return HubPlan((), (f"the model is baked into the image ({command.baked_model}); "
-                            "vLLM runs offline",))
-    if hub.offline is not None:
-        return HubPlan((), (f"{hub.offline}: vLLM does not ask the Hub",))
-    if hub.modelscope:
-        return HubPlan((), ("VLLM_USE_MODELSCOPE is on: models come from ModelScope",))
-
-    candidates: list[HubTarget] = []
-    model, revision = command.model, command.revision
-    model_variable = _setting(command, "--model", "MODEL_NAME")
-    revision_variable = _setting(command, "--revision", "MODEL_REVISION")
-    if model is not None:
-        candidates.append(HubTarget(model, revision, "model", model_variable, revision_variable))
-
-    tokenizer, tokenizer_revision = command.tokenizer, command.tokenizer_revision
-    if tokenizer is not None or tokenizer_revision is not None:
-        repo = tokenizer or model
-        variable = _setting(command, "--tokenizer", "TOKENIZER_NAME") if tokenizer else (
-            model_variable)
-        if tokenizer_revision is not None:
-            wanted: str | None = tokenizer_revision
-            wanted_variable = _setting(command, "--tokenizer-revision", "TOKENIZER_REVISION")
-        elif revision is not None:
-            wanted = revision
-            wanted_variable = f"TOKENIZER_REVISION, which defaults to {revision_variable}"
-        else:
-            wanted, wanted_variable = None, "TOKENIZER_REVISION"
-        if repo is not None:
-            candidates.append(HubTarget(repo, wanted, "tokenizer", variable, wanted_variable))
-
-    lora_variable = _setting(command, "--lora-modules", "LORA_MODULES")
-    for module in command.lora_modules:
-        candidates.append(HubTarget(module.path, None, "LoRA adapter",
-                                    f'the path of {lora_variable} entry "{module.name}"',
-                                    lora_variable))
-
-    targets: list[HubTarget] = []
-    skipped: list[str] = []
-    seen: set[tuple[str, str | None]] = set()
-    for target in candidates:
-        reason = _not_a_hub_repo(target.repo, path_exists)
-        if reason is not None:
-            skipped.append(f"{target.variable}={target.repo!r} {reason}")
-        elif (target.repo, target.revision) not in seen:
-            seen.add((target.repo, target.revision))
-            targets.append(target)
-    return HubPlan(tuple(targets), tuple(skipped))
-
-
-def _not_a_hub_repo(value: str, path_exists: Callable[[str], bool]) -> str | None:
-    """Why ``value`` names no Hugging Face repo (None: it does), as vLLM would read it."""
-    if "://" in value:
-        return "is a URL"
-    if value.startswith(("/", "./", "../", "~")) or value in (".", ".."):
-        return "is a local path"
-    if path_exists(value):
-        return "is an existing local path"
-    if not _is_repo_id(value):
-        return "is not a Hugging Face repo id (namespace/name); not checked"
-    return None
 
 
 # -- asking the Hub --------------------------------------------------------------------------
@@ -208,6 +87,7 @@ class HubApi(Protocol):
         revision: str | None = ...,
         timeout: float | None = ...,
         token: bool | str | None = ...,
+        files_metadata: bool = ...,
     ) -> object: ...
 
     def auth_check(self, repo_id: str, *, token: bool | str | None = ...) -> None: ...
@@ -231,16 +111,39 @@ def default_hf_api(endpoint: str | None) -> HubApi:
 
 
 @dataclass(frozen=True)
+class HubOutage:
+    """The Hub did not answer (refused, unreachable, no answer in time, 5xx) for repos that
+    are not in the cache."""
+
+    endpoint: str
+    """The address asked: HF_ENDPOINT, or https://huggingface.co."""
+    repos: tuple[tuple[HubTarget, str], ...]
+    """Each repo it did not answer for, and how it failed."""
+
+
+@dataclass(frozen=True)
 class _Outcome:
-    """What one repo's check concluded: a definitive problem, a warning, or neither."""
+    """What one repo's check concluded: a definitive problem, a warning, an outage, or the
+    repo's listing."""
 
     problem: HubMessage | None = None
     warning: str | None = None
+    outage: str | None = None
+    listing: RepoListing | None = None
+
+
+@dataclass(frozen=True)
+class _Uncertain:
+    """No definitive answer: why, and whether the Hub itself failed to answer."""
+
+    reason: str
+    outage: bool = False
 
 
 @dataclass(frozen=True)
 class PreflightResult:
-    """What the pre-flight found. ``startup_error`` is set when the start must not go on."""
+    """What the pre-flight found. ``startup_error`` is set when the start must not go on;
+    ``outage`` when the Hub did not answer for repos vLLM must download."""
 
     problems: tuple[HubMessage, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -249,6 +152,9 @@ class PreflightResult:
     skipped: tuple[str, ...] = ()
     """Why values were not checked (local paths, offline mode, ...), for the log."""
     seconds: float = 0.0
+    outage: HubOutage | None = None
+    listings: tuple[RepoListing, ...] = ()
+    """The files of each repo vLLM downloads (not cached), from the same answers."""
 
     @property
     def errors(self) -> tuple[str, ...]:
@@ -299,10 +205,43 @@ def _uncertain(target: HubTarget, reason: str) -> _Outcome:
     ))
 
 
+def _listing(repo: str, info: object) -> RepoListing | None:
+    """The files of ``model_info(files_metadata=True)``; None when the answer lacks them."""
+    commit = getattr(info, "sha", None)
+    siblings = getattr(info, "siblings", None)
+    if not isinstance(commit, str) or not siblings:
+        return None
+    files: dict[str, ListedFile] = {}
+    for sibling in siblings:
+        name, size = getattr(sibling, "rfilename", None), getattr(sibling, "size", None)
+        lfs = getattr(sibling, "lfs", None)
+        blob = getattr(lfs, "sha256", None) if lfs is not None else getattr(sibling, "blob_id",
+                                                                            None)
+        if not (isinstance(name, str) and isinstance(size, int) and isinstance(blob, str)):
+            return None  # no sizes: the listing is of no use to a download or its progress
+        files[name] = ListedFile(size, blob)
+    return RepoListing(repo, commit, files)
+
+
+def _newer_commit(target: HubTarget, cached: RepoSource, info: object) -> str | None:
+    """The warning that the Hub's branch moved on from the cached commit, if it did."""
+    commit = getattr(info, "sha", None)
+    branch = target.revision or "main"
+    if not isinstance(commit, str) or commit == cached.commit or len(branch) == 40:
+        return None
+    folder = f"{cached.cache_dir}/models--{target.repo.replace('/', '--')}"
+    return (
+        f"A newer commit of the {target.role} {target.repo} is on the Hub: {branch} is at "
+        f"{commit[:12]}, this start serves the cached {str(cached.commit)[:12]}. To take it, set "
+        f"{target.revision_variable.split(',')[0]}={commit} (downloaded at the next start), or "
+        f"delete {folder} so that the next start downloads {branch} again."
+    )
+
+
 def _classify(
     exc: Exception, target: HubTarget, token_set: bool, timeout: float, *, after_info: bool
-) -> HubMessage | str:
-    """A Hub exception → a definitive problem (HubMessage) or the reason it is uncertain (str).
+) -> HubMessage | _Uncertain:
+    """A Hub exception → a definitive problem (HubMessage), or why it is uncertain.
 
     ``after_info`` is true for the access check of a repo whose metadata was already served: a
     "not found" there means "no access", never "does not exist".
@@ -340,16 +279,17 @@ def _classify(
                                      access="forbidden")
             return gated_message(repo, role, variable=variable, access="private")
         if status == 429:
-            return "Hugging Face is rate-limiting this machine (429 Too Many Requests)"
+            return _Uncertain("Hugging Face is rate-limiting this machine (429 Too Many "
+                              "Requests)")
         phrase = getattr(getattr(exc, "response", None), "reason_phrase", "") or ""
-        return f"Hugging Face answered {status} {phrase}".rstrip()
+        return _Uncertain(f"Hugging Face answered {status} {phrase}".rstrip(), status >= 500)
     names = {cls.__name__ for cls in type(exc).__mro__}
     if names & {"TimeoutException", "TimeoutError"}:
-        return f"no answer within {timeout:g} s ({type(exc).__name__})"
-    if names & {"OfflineModeIsEnabled", "ConnectError", "NetworkError", "TransportError",
-                "ConnectionError", "OSError"}:
-        return f"cannot reach Hugging Face ({type(exc).__name__}: {_first_line(exc)})"
-    return f"the check failed ({type(exc).__name__}: {_first_line(exc)})"
+        return _Uncertain(f"no answer within {timeout:g} s ({type(exc).__name__})", True)
+    if names & {"ConnectError", "NetworkError", "TransportError", "ConnectionError", "OSError"}:
+        return _Uncertain(f"cannot reach Hugging Face ({type(exc).__name__}: "
+                          f"{_first_line(exc)})", True)
+    return _Uncertain(f"the check failed ({type(exc).__name__}: {_first_line(exc)})")
 
 
 def _check_repo(
@@ -359,72 +299,54 @@ def _check_repo(
     token: str | None,
     timeout: float,
     cache_dirs: Sequence[str],
+    cached: RepoSource | None,
 ) -> _Outcome:
     """Ask the Hub about one repo (runs in a thread: every call here blocks).
 
     ``model_info`` (with the revision) answers "exists", "readable" and "has that revision" in
-    one request and says whether the repo is gated; only then does ``auth_check`` ask whether
-    the token's account was granted access (without a token, a gated repo is refused anyway).
+    one request, says whether the repo is gated and, for a repo vLLM downloads, lists its files
+    with their sizes; only then does ``auth_check`` ask whether the token's account was granted
+    access (without a token, a gated repo is refused anyway). For a repo the start reads from
+    the cache (``cached``) the answer only tells whether its branch moved on: nothing the Hub
+    says can stop that start.
     """
     token_set = token is not None
     after_info = False
     try:
         api = api_factory(endpoint)
         info = api.model_info(target.repo, revision=target.revision, timeout=timeout,
-                              token=token if token_set else False)
+                              token=token if token_set else False,
+                              files_metadata=cached is None)
         after_info = True
-        gated = getattr(info, "gated", False)
-        if gated:  # "auto" or "manual"
-            if token is None:
-                problem: HubMessage | str = gated_message(target.repo, target.role,
-                                                          variable=target.variable)
-            else:
-                api.auth_check(target.repo, token=token)
-                return _Outcome()
+        if getattr(info, "gated", False) and token is None:  # "auto" or "manual"
+            problem: HubMessage | _Uncertain = gated_message(target.repo, target.role,
+                                                             variable=target.variable)
         else:
-            return _Outcome()
+            if getattr(info, "gated", False):
+                api.auth_check(target.repo, token=token)
+            if cached is not None:
+                return _Outcome(warning=_newer_commit(target, cached, info))
+            return _Outcome(listing=_listing(target.repo, info))
     except Exception as exc:
         problem = _classify(exc, target, token_set, timeout, after_info=after_info)
-    if isinstance(problem, str):
-        return _uncertain(target, problem)
-    cached = _cached_copy(target.repo, cache_dirs) if problem.kind != "revision_not_found" else None
     if cached is not None:
+        if isinstance(problem, _Uncertain):
+            logger.info("could not ask the Hub whether %s moved on from the cached commit: %s",
+                        target.label, problem.reason)
+            return _Outcome()
+        return _Outcome(warning=f"{problem.message} The cache holds {target.repo} (commit "
+                                f"{str(cached.commit)[:12]}), which this start serves offline.")
+    if isinstance(problem, _Uncertain):
+        return _Outcome(outage=problem.reason) if problem.outage else _uncertain(
+            target, problem.reason)
+    copy = _cached_copy(target.repo, cache_dirs) if problem.kind != "revision_not_found" else None
+    if copy is not None:
         # huggingface_hub falls back to the cache when the Hub refuses: the start may work.
         return _Outcome(warning=(
-            f"{problem.message} A copy of {target.repo} is in the local cache ({cached}), so "
+            f"{problem.message} A copy of {target.repo} is in the local cache ({copy}), so "
             "the start goes on: vLLM may load it from there."
         ))
     return _Outcome(problem=problem)
-
-
-def _in_daemon_thread(
-    loop: asyncio.AbstractEventLoop, fn: Callable[[], _T], name: str
-) -> asyncio.Future[_T]:
-    """Run ``fn`` in a new daemon thread; its result arrives in a future of ``loop``.
-
-    Not the loop's default executor: its threads are joined at exit, so a request hanging in
-    DNS would keep the process alive after the worker is done with it.
-    """
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def deliver(result: _T | None, error: BaseException | None) -> None:
-        if future.done():
-            return  # the deadline passed: nobody waits for this answer any more
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # delivered to the awaiting side, not lost in the thread
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(deliver, result, error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 async def preflight(
@@ -436,45 +358,54 @@ async def preflight(
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     hf_api_factory: Callable[[str | None], HubApi] = default_hf_api,
     path_exists: Callable[[str], bool] = os.path.exists,
+    only: Collection[str] | None = None,
 ) -> PreflightResult:
-    """Check the model, tokenizer and LoRA repos of ``command`` on the Hub, within ``timeout`` s.
+    """Check the repos of ``command`` on the Hub (model, tokenizer, draft model, LoRA
+    adapters), within ``timeout`` s; ``only``: just these repos (a retry after an outage).
 
     ``hub`` is what vLLM's environment says about the Hub (token, endpoint, offline mode,
-    caches). Returns a :class:`PreflightResult`; its ``startup_error`` is set when the Hub
-    answered definitively that the start cannot work. Never raises for the Hub's sake, and
+    caches); the command's ``model_sources`` says which repos the start reads from the cache.
+    Returns a :class:`PreflightResult`: ``startup_error`` when the Hub answered definitively
+    that the start cannot work, ``outage`` when it did not answer for repos that are not
+    cached, ``listings`` of the repos vLLM will download. Never raises for the Hub's sake, and
     never blocks the event loop: the requests run in daemon threads, and a repo without an
-    answer when ``timeout`` has passed is a warning. ``timeout <= 0`` turns the check off.
+    answer when ``timeout`` has passed counts as the Hub not answering. ``timeout <= 0`` turns
+    the check off.
     """
     started = time.monotonic()
     if timeout <= 0:
         return PreflightResult(skipped=("the Hub check is off (timeout 0)",))
     plan = plan_hub_checks(command, hub, path_exists=path_exists)
-    if not plan.targets:
+    targets = [t for t in plan.targets if only is None or t.repo in only]
+    if not targets:
         return PreflightResult(skipped=plan.skipped, seconds=time.monotonic() - started)
 
     token = hub.token
     masker = SecretMasker([token] if token else [])
-    endpoint = hub.endpoint
-    cache_dirs = hub.cache_dirs
+    sources = command.model_sources
+    cached = {t.repo: sources.cached(t.repo) if sources is not None else None for t in targets}
     loop = asyncio.get_running_loop()
     futures = [
-        _in_daemon_thread(
+        in_daemon_thread(
             loop,
-            functools.partial(_check_repo, hf_api_factory, endpoint, target, token, timeout,
-                              cache_dirs),
+            functools.partial(_check_repo, hf_api_factory, hub.endpoint, target, token, timeout,
+                              hub.cache_dirs, cached[target.repo]),
             f"hub-preflight {target.label}",
         )
-        for target in plan.targets
+        for target in targets
     ]
     remaining = max(0.0, timeout - (time.monotonic() - started))
     await asyncio.wait(futures, timeout=remaining)
 
     problems: list[HubMessage] = []
     warnings: list[str] = []
-    for target, future in zip(plan.targets, futures, strict=True):
+    down: list[tuple[HubTarget, str]] = []
+    listings: list[RepoListing] = []
+    for target, future in zip(targets, futures, strict=True):
         if not future.done():
             future.cancel()
-            outcome = _uncertain(target, f"no answer within {timeout:g} s")
+            outcome = _Outcome() if cached[target.repo] else _Outcome(
+                outage=f"no answer within {timeout:g} s")
         elif future.exception() is not None:
             exc = future.exception()
             outcome = _uncertain(target, f"the check failed ({type(exc).__name__})")
@@ -486,8 +417,14 @@ async def preflight(
                                        masker.mask(problem.fix)))
         if outcome.warning is not None:
             warnings.append(masker.mask(outcome.warning))
+        if outcome.outage is not None:
+            down.append((target, masker.mask(outcome.outage)))
+        if outcome.listing is not None:
+            listings.append(outcome.listing)
     seconds = time.monotonic() - started
     logger.debug("hub pre-flight: %d repo(s) in %.2f s, %d problem(s), %d warning(s)",
-                 len(plan.targets), seconds, len(problems), len(warnings))
+                 len(targets), seconds, len(problems), len(warnings))
+    outage = HubOutage(hub.endpoint or HUB_URL, tuple(down)) if down else None
     return PreflightResult(tuple(problems), tuple(warnings),
-                           tuple(target.label for target in plan.targets), plan.skipped, seconds)
+                           tuple(target.label for target in targets), plan.skipped, seconds,
+                           outage, tuple(listings))

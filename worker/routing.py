@@ -3,7 +3,9 @@
 Three shapes are accepted (all under ``job["input"]``):
 
 * ``openai_route`` + ``openai_input`` — what the platform's ``/openai/v1/...`` routes send;
-* ``route`` + ``method`` + ``body`` — any vLLM route;
+* ``route`` + ``method`` + ``body`` — any vLLM route; with ``form`` and ``files`` instead
+  of ``body``, a form upload (multipart/form-data, :mod:`worker.forms`) such as a speech
+  model's ``/v1/audio/transcriptions``;
 * ``prompt`` / ``messages`` + ``sampling_params`` — the classic worker-vllm shape.
 
 Parsing is pure and strict: a job that does not fit gets an error naming the field and what
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.errors import InvalidRequest
+from worker.forms import Form, has_form, parse_form
 
 ALLOWED_METHODS = frozenset({"GET", "POST", "DELETE"})
 
@@ -81,13 +84,15 @@ class _BatchSizes:
 
 @dataclass(frozen=True)
 class VllmRequest:
-    """One HTTP request to the local vLLM, derived from a job."""
+    """One HTTP request to the local vLLM, derived from a job: a JSON ``body``, a ``form``
+    (multipart/form-data), or neither."""
 
     method: str
     route: str
     body: dict[str, Any] | list[Any] | None
     stream: bool
     batch: BatchPolicy
+    form: Form | None = None
 
 
 def check_route(route: object, field: str) -> str:
@@ -168,6 +173,11 @@ def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) ->
 
     if "openai_route" in job_input:
         route = check_route(job_input["openai_route"], "openai_route")
+        if has_form(job_input):
+            raise InvalidRequest(
+                "'form' and 'files' go with 'route', not 'openai_route' (the platform's "
+                "OpenAI routes carry JSON only): give 'route' with 'form' and 'files'."
+            )
         body = job_input.get("openai_input")
         if body is not None and not isinstance(body, dict | list):
             raise InvalidRequest("'openai_input' must be a JSON object.")
@@ -181,7 +191,7 @@ def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) ->
             raise InvalidRequest("'body' must be a JSON object or array.")
         raw_method = job_input.get("method")
         if raw_method is None:
-            raw_method = "POST" if body is not None else "GET"
+            raw_method = "POST" if body is not None or has_form(job_input) else "GET"
         if not isinstance(raw_method, str) or raw_method.upper() not in ALLOWED_METHODS:
             raise InvalidRequest(
                 f"'method' must be one of {', '.join(sorted(ALLOWED_METHODS))}."
@@ -189,6 +199,8 @@ def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) ->
         method = raw_method.upper()
         if method == "GET" and body is not None:
             raise InvalidRequest("A GET request cannot have a 'body'; use POST.")
+        if has_form(job_input):
+            return _form_request(job_input, method, route, batch)
         return VllmRequest(method, route, body, _stream_flag(body, "body"), batch)
 
     if "messages" in job_input or "prompt" in job_input:
@@ -199,6 +211,23 @@ def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) ->
         "'sampling_params'), 'openai_route' with 'openai_input', or 'route' with "
         "'method' and 'body'."
     )
+
+
+def _form_request(
+    job_input: Mapping[str, Any], method: str, route: str, batch: BatchPolicy
+) -> VllmRequest:
+    if job_input.get("body") is not None:
+        raise InvalidRequest(
+            "Give a request's content once: 'body' (JSON) or 'form' and 'files' "
+            "(multipart/form-data), not both."
+        )
+    if method != "POST":
+        raise InvalidRequest(
+            f"A form ('form', 'files') is uploaded with POST; a {method} request cannot "
+            "carry one: leave 'method' out or set it to POST."
+        )
+    form = parse_form(job_input.get("form"), job_input.get("files"))
+    return VllmRequest(method, route, None, form.stream, batch, form)
 
 
 def _classic_request(

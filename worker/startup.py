@@ -1,9 +1,13 @@
 """Starting vLLM: launch it, wait until it is healthy, and on a failure do what the policy says.
 
 The hub pre-flight runs beside vLLM's load: it costs nothing when all is well, and ends a
-start that cannot work in seconds instead of minutes. No job is taken before vLLM is healthy:
-jobs stay queued on the platform during the cold start. What to do after each attempt is
-decided by :func:`worker.policy.decide`; this module only carries it out.
+start that cannot work in seconds instead of minutes. Its answer also lists the files of a
+model that is not cached: the worker then downloads them beside vLLM's start-up
+(:mod:`worker.prefetch`) and logs the download's progress (:mod:`worker.progress`). When the
+Hub does not answer for such a model, vLLM is stopped and the Hub asked again until it answers
+(vLLM is relaunched) or the policy gives up. No job is taken before vLLM is healthy: jobs stay
+queued on the platform during the cold start. What to do after each attempt is decided by
+:func:`worker.policy.decide`; this module only carries it out.
 
 The parts it drives come in as arguments (the builder, how a process is spawned, the hub
 check), so the start can be run in-process against stand-ins.
@@ -14,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 
 from worker.adapters import adapter_sources, missing_adapter_folder
@@ -25,17 +30,22 @@ from worker.diagnosis import diagnose
 from worker.errors import ConfigError, StartupError, WorkerError
 from worker.policy import (
     Attempt,
+    Decision,
     Exited,
     Fail,
     Healthy,
+    HubDown,
     HubRefused,
     Relaunch,
     Serve,
     Start,
     TimedOut,
+    WaitForHub,
     decide,
 )
-from worker.preflight import preflight
+from worker.prefetch import Download, Prefetch, downloads_of
+from worker.preflight import PreflightResult, preflight
+from worker.progress import StartProgress
 from worker.secrets import SecretMasker
 from worker.supervisor import Readiness, VllmProcess, wait_until_healthy
 
@@ -43,8 +53,11 @@ logger = logging.getLogger("worker")
 
 Spawn = Callable[[Launch], VllmProcess]
 """Start one vLLM process for a launch (and log its command line)."""
-HubCheck = Callable[[Launch], Coroutine[object, object, StartupError | None]]
-"""The hub pre-flight of a launch: a definite "cannot work", or None."""
+HubCheck = Callable[[Launch, Collection[str] | None], Coroutine[object, object, PreflightResult]]
+"""The hub pre-flight of a launch (of only some of its repos): a definite "cannot work", the
+Hub not answering, the files of the repos vLLM downloads."""
+StartDownload = Callable[[Download, Launch], None]
+"""Start downloading a repo beside vLLM (in the background; it must not block)."""
 WaitHealthy = Callable[[VllmProcess], Coroutine[object, object, Readiness]]
 """How one process's start ends: healthy, exited, or timed out."""
 
@@ -91,6 +104,9 @@ class Startup:
         spawn: Spawn | None = None,
         hub_check: HubCheck | None = None,
         wait_healthy: WaitHealthy | None = None,
+        start_download: StartDownload | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.builder = builder
         self.settings = builder.settings
@@ -99,10 +115,17 @@ class Startup:
         self._spawn = spawn or self._spawn_vllm
         self._hub_check = hub_check or self._preflight
         self._wait_healthy = wait_healthy or self._wait_until_healthy
+        self._start_download = start_download or self._prefetch
+        self._clock = clock
+        self._sleep = sleep
+        self._downloading: set[str] = set()
+        self._reporter: asyncio.Task[None] | None = None
         self.process: VllmProcess | None = None
         """The vLLM of the latest attempt (stopped by the runner at the end)."""
         self.launch: Launch | None = None
         """The launch of the latest attempt (what its vLLM was started with)."""
+        self.progress = StartProgress()
+        """What the start is doing now (its phase, its downloads)."""
 
     async def run(self) -> StartOutcome:
         """Start vLLM until it is healthy or the policy gives up; never raises a WorkerError."""
@@ -127,18 +150,30 @@ class Startup:
         if (no_folder := missing_adapter_folder(adapters)) is not None:
             return StartOutcome(no_folder, launch.command)
 
-        hub: asyncio.Task[StartupError | None] = asyncio.create_task(self._hub_check(launch))
+        hub = asyncio.create_task(self._check_hub(launch))
         tried: list[str] = []
         try:
             while True:
                 self.launch = launch
                 self.process = self._spawn(launch)
+                self.progress.read_phase_from(self.process.timeline.latest)
                 attempt = await self._attempt(self.process, launch, hub)
-                decision = decide(
-                    attempt, Start(env, launch.command, cache.path), tried,
-                    startup_timeout=self.settings.startup_timeout,
-                    mask=self._masker.mask,
-                )
+                start = Start(env, launch.command, cache.path)
+                decision: Decision | None = self._decide(attempt, start, tried)
+                down_since = self._clock()
+                while isinstance(decision, WaitForHub):
+                    assert isinstance(attempt, HubDown)
+                    logger.warning("startup: the Hub did not answer for %s; asking again in "
+                                   "%g s", ", ".join(t.repo for t, _ in attempt.outage.repos),
+                                   decision.delay)
+                    await self._sleep(decision.delay)
+                    down = await self._ask_hub_again(launch, attempt, down_since)
+                    decision = None if down is None else self._decide(down, start, tried)
+                    attempt = down or attempt
+                if decision is None:
+                    logger.info("startup: the Hub answers again: launching vLLM again")
+                    hub = asyncio.create_task(self._check_hub(launch))
+                    continue
                 if isinstance(decision, Serve):
                     return StartOutcome(None, launch.command, time.monotonic(), tried)
                 if isinstance(decision, Fail):
@@ -153,11 +188,31 @@ class Startup:
                     return StartOutcome(exc, launch.command, None, tried)
         finally:
             hub.cancel()
+            if self._reporter is not None:
+                self._reporter.cancel()
+
+    def _decide(self, attempt: Attempt, start: Start, tried: list[str]) -> Decision:
+        return decide(attempt, start, tried, startup_timeout=self.settings.startup_timeout,
+                      hub_retry_timeout=self.settings.hub_retry_timeout,
+                      oom_relaunch=self.settings.oom_relaunch, mask=self._masker.mask)
+
+    async def _ask_hub_again(
+        self, launch: Launch, down: HubDown, since: float
+    ) -> HubDown | None:
+        """The Hub asked again about the repos it did not answer for (since ``since``): still
+        down, or None."""
+        result = await self._hub_check(launch, {target.repo for target, _ in down.outage.repos})
+        if result.outage is None:
+            return None
+        return HubDown(result.outage, self._clock() - since)
 
     def _build(self, env: dict[str, str]) -> Launch:
         launch = self.builder.launch(env)
         for warning in launch.command.warnings:
             logger.warning("%s", self._masker.mask(warning))
+        if launch.command.model_sources is not None:
+            for line in launch.command.model_sources.lines():
+                logger.info("model source: %s", self._masker.mask(line))
         return launch
 
     def _spawn_vllm(self, launch: Launch) -> VllmProcess:
@@ -167,20 +222,26 @@ class Startup:
         return process
 
     async def _attempt(
-        self, process: VllmProcess, launch: Launch, hub: asyncio.Task[StartupError | None]
+        self, process: VllmProcess, launch: Launch, hub: asyncio.Task[PreflightResult]
     ) -> Attempt:
-        """How one attempt ends: healthy, refused by the hub, exited, or timed out."""
+        """How one attempt ends: healthy, refused by the hub, the Hub down, exited, or timed
+        out."""
         health = asyncio.ensure_future(self._wait_healthy(process))
-        waiting: set[asyncio.Future[Readiness] | asyncio.Task[StartupError | None]] = {
-            health, hub}
+        waiting: set[asyncio.Future[Readiness] | asyncio.Task[PreflightResult]] = {health, hub}
         while True:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if hub in done:
                 waiting.discard(hub)
-                if not hub.cancelled() and (error := hub.result()) is not None:
+                verdict = None if hub.cancelled() else hub.result()
+                stop: Attempt | None = None
+                if verdict is not None and (error := verdict.startup_error) is not None:
+                    stop = HubRefused(error)
+                elif verdict is not None and verdict.outage is not None:
+                    stop = HubDown(verdict.outage)
+                if stop is not None:
                     health.cancel()
                     process.stop(grace=2.0)
-                    return HubRefused(error)
+                    return stop
             if health in done:
                 break
         if health.result() is Readiness.HEALTHY:
@@ -200,17 +261,42 @@ class Startup:
         return await wait_until_healthy(process, self.settings.base_url,
                                         timeout=self.settings.startup_timeout)
 
-    async def _preflight(self, launch: Launch) -> StartupError | None:
-        """Ask the hub whether the model can be had; a definite no is a StartupError."""
+    async def _check_hub(self, launch: Launch) -> PreflightResult:
+        """The pre-flight of every repo; the downloads of the repos vLLM fetches start with its
+        answer."""
+        result = await self._hub_check(launch, None)
+        downloads = downloads_of(launch.command, result.listings, launch.hub.cache_dirs[0])
+        meters = []
+        for download in downloads:
+            if download.listing.repo not in self._downloading:
+                self._downloading.add(download.listing.repo)
+                self._start_download(download, launch)
+                meters.append(download.meter())
+        if meters:
+            self.progress.follow(meters)
+            if self._reporter is None:
+                self._reporter = asyncio.create_task(
+                    self.progress.report(self.settings.progress_interval), name="progress")
+        return result
+
+    def _prefetch(self, download: Download, launch: Launch) -> None:
+        if not self.settings.prefetch:
+            return
+        prefetch = Prefetch(download, endpoint=launch.hub.endpoint, token=launch.hub.token)
+        threading.Thread(target=prefetch.run, name=f"prefetch {download.listing.repo}",
+                         daemon=True).start()
+
+    async def _preflight(self, launch: Launch, only: Collection[str] | None) -> PreflightResult:
+        """Ask the hub whether the model can be had (and what it holds); never raises."""
         try:
             result = await preflight(launch.command, launch.hub,
-                                     timeout=self.settings.hub_check_timeout)
+                                     timeout=self.settings.hub_check_timeout, only=only)
         except Exception as exc:  # a bug here must never stop a start that would work
             logger.warning("hub pre-flight skipped: %s", exc)
-            return None
+            return PreflightResult()
         for warning in result.warnings:
             logger.warning("hub pre-flight: %s", self._masker.mask(warning))
         if result.checked:
             logger.info("startup: hub pre-flight of %s took %.1f s",
                         ", ".join(result.checked), result.seconds)
-        return result.startup_error
+        return result

@@ -34,10 +34,14 @@ logger = logging.getLogger("worker.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 
-# Lines of vLLM's log that mark the phases of a start, for the startup timeline.
-# First match wins; a phase is recorded once.
+# Lines of vLLM's (0.32) log that mark the phases of a start, for the startup timeline and
+# the phase a start is in (the log, the load balancer's 503). A phase is recorded once.
 _PHASE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("loading weights", re.compile(r"Starting to load model")),
     ("weights loaded", re.compile(r"Loading weights took|Model loading took")),
+    ("compiling", re.compile(r"Starting torch\.compile|Dynamo bytecode transform time|"
+                             r"Compiling a graph for")),
+    ("capturing CUDA graphs", re.compile(r"Capturing CUDA graphs")),
     ("engine ready", re.compile(r"init engine .* took|Maximum concurrency for")),
     ("api listening", re.compile(r"Application startup complete|Starting vLLM (API|server)")),
 )
@@ -91,6 +95,11 @@ class StartTimeline:
 
     def summary(self) -> str:
         return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.phases.items())
+
+    def latest(self) -> str | None:
+        """The phase seen last (None before the first)."""
+        names = tuple(self.phases)  # one step under the GIL: the output thread adds phases
+        return names[-1] if names else None
 
 
 class VllmProcess:
