@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from tests import docs
+from tests import test_model_source as model_source
+from tests.hf_cache import write_snapshot
 from tests.launches import launch_of
 from tests.test_startup import Script, startup
 from worker.adapters import (
@@ -388,3 +390,23 @@ def test_the_pages_examples_are_what_the_worker_answers() -> None:
     assert summary is not None and summary in text
     error = missing_adapter_folder(sources, is_dir=lambda _: False)
     assert error is not None and error.message in text
+
+
+# -- a cached model beside the Hub's adapters ---------------------------------------------------
+def test_a_cached_model_keeps_vllm_online_when_jobs_name_hub_adapters(tmp_path: Path) -> None:
+    """The worker runs vLLM offline when every repo of the command is cached; the Hub
+    resolver then could fetch nothing (huggingface_hub refuses to list a repo offline)."""
+    write_snapshot(model_source.hub_cache(tmp_path), "acme/tiny", model_source.MODEL)
+    hub = {**ON, "VLLM_PLUGINS": BOTH, "VLLM_LORA_RESOLVER_HF_REPO_LIST": "acme/a"}
+    launch = model_source.start(tmp_path, **hub)
+    assert launch.env.get("HF_HUB_OFFLINE") != "1"
+    assert model_source.reasons(launch)[-1] == (
+        "VLLM_LORA_RESOLVER_HF_REPO_LIST (adapters named by jobs come from the Hub) is set: vLLM "
+        "asks the Hub as usual, though everything is cached")
+    assert adapter_sources(launch).offline is None
+    # Adapters from the folder need no Hub; nor do Hub settings no job reaches.
+    for env in ({**ON, "VLLM_LORA_RESOLVER_CACHE_DIR": str(tmp_path)},
+                {**hub, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "false"}):
+        launch = model_source.start(tmp_path, **env)
+        assert launch.env.get("HF_HUB_OFFLINE") == "1", env
+        assert adapter_sources(launch).offline == "HF_HUB_OFFLINE=1"

@@ -2,7 +2,8 @@
 
 One queue worker serves the tiny model with both of vLLM's LoRA resolvers on, as
 docs/adapters.md sets them up: a folder on the "volume" and the loopback Hub
-(tests/fake_hub.py, every request recorded) with an allow-list. It checks what a job naming an
+(tests/fake_hub.py, every request recorded) with an allow-list. The model is a Hub repo cached
+on the volume, as a worker after the first finds it. It checks what a job naming an
 adapter gets (served, or an error saying what happened and how to fix it), what is downloaded
 and cached where, and how many adapters vLLM keeps loaded (MAX_LORAS, MAX_CPU_LORAS). A
 worker in lb mode on the same volume shows what a client gets there: vLLM's own answers.
@@ -27,8 +28,9 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.fake_hub import FakeHub
+from tests.fake_hub import FakeHub, read_folder
 from tests.fake_job_api import FakeJobApi
+from tests.hf_cache import write_snapshot
 from tests.lb_worker import LbWorker, start_lb_worker
 from tests.test_e2e_config import answer
 from tests.worker_process import WorkerProcess, base_env
@@ -36,12 +38,13 @@ from tests.worker_process import WorkerProcess, base_env
 pytestmark = pytest.mark.vllm
 
 SERVED = "tiny"
+MODEL_REPO = "acme/tiny"
 HUB_TOKEN = "hf_TokenOfThePrivateAdapterRepo5521"
 TARGETS = ("q_proj", "v_proj")
 
 
 def lora_files(model: Path, *, seed: int, rank: int = 8, scale: float = 0.1,
-               base: str | None = None) -> dict[str, bytes]:
+               base: str = MODEL_REPO) -> dict[str, bytes]:
     """A LoRA adapter of the tiny model as PEFT saves one, with weights strong enough to move
     its logprobs well away from another seed's: adapter_config.json and the safetensors."""
     config = json.loads((model / "config.json").read_text())
@@ -63,7 +66,7 @@ def lora_files(model: Path, *, seed: int, rank: int = 8, scale: float = 0.1,
     head_bytes = json.dumps(header).encode()
     adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
                "lora_dropout": 0.0, "bias": "none", "target_modules": list(TARGETS),
-               "base_model_name_or_path": base or str(model)}
+               "base_model_name_or_path": base}
     return {"adapter_config.json": json.dumps(adapter, indent=2).encode(),
             "adapter_model.safetensors": struct.pack("<Q", len(head_bytes)) + head_bytes
             + bytes(data)}
@@ -82,7 +85,6 @@ class Bed:
     hub: FakeHub
     worker: WorkerProcess
     env: dict[str, str]
-    model: Path
     loras: Path
     hub_cache: Path
 
@@ -112,11 +114,11 @@ def bed(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
     root = tmp_path_factory.mktemp("adapters")
     volume = root / "runpod-volume"
     loras, hub_cache = volume / "loras", volume / "huggingface-cache" / "hub"
-    # PEFT's own files for the tiny model, with the model's path as vLLM's --model names it.
+    # PEFT's own files for the tiny model, with the model as vLLM's --model names it.
     shutil.copytree(tiny_lora, loras / "sql")
     config = json.loads((loras / "sql" / "adapter_config.json").read_text())
     (loras / "sql" / "adapter_config.json").write_text(
-        json.dumps({**config, "base_model_name_or_path": str(tiny_model)}))
+        json.dumps({**config, "base_model_name_or_path": MODEL_REPO}))
     write(loras / "other-base", lora_files(tiny_model, seed=1, base="org/another-model"))
     write(loras / "big", lora_files(tiny_model, seed=2, rank=32))
     for seed, name in enumerate(("lru-1", "lru-2", "lru-3", "lru-w", "batch-1", "batch-2"), 10):
@@ -125,6 +127,10 @@ def bed(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
     write(loras / "acme" / "multi" / "chat", lora_files(tiny_model, seed=7))  # also on the Hub
 
     hub = FakeHub()
+    model_files = {name: data for name, data in read_folder(tiny_model).items()
+                   if not name.startswith("lora/")}
+    hub.add(MODEL_REPO, model_files)
+    write_snapshot(hub_cache, MODEL_REPO, model_files)  # on the volume, as the Hub has it
     hub.add("acme/tiny-lora", lora_files(tiny_model, seed=4))
     hub.add("acme/multi", {f"sql/{n}": d for n, d in lora_files(tiny_model, seed=5).items()}
             | {f"chat/{n}": d for n, d in lora_files(tiny_model, seed=6).items()})
@@ -132,7 +138,8 @@ def bed(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
     with hub, FakeJobApi() as api:
         env = {
             **tiny_env, **api.env(), "VLLM_PORT": str(free_port()),
-            "HF_HUB_OFFLINE": "", "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(hub_cache),
+            "MODEL_NAME": MODEL_REPO, "HF_HUB_OFFLINE": "", "HF_ENDPOINT": hub.url,
+            "HF_HUB_CACHE": str(hub_cache),
             "SERVED_MODEL_NAME": SERVED, "ENABLE_PREFIX_CACHING": "false",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
             "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver",
@@ -147,7 +154,7 @@ def bed(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
             {**env, "ENABLE_LORA": "true", "MAX_CPU_LORAS": "2"},  # MAX_LORAS: vLLM's 1
             log_path=root / "worker.log")
         try:
-            yield Bed(api, hub, worker, env, tiny_model, loras, hub_cache)
+            yield Bed(api, hub, worker, env, loras, hub_cache)
         finally:
             worker.kill()
 
@@ -168,6 +175,12 @@ def test_an_adapter_in_the_folder_is_served_under_its_name(bed: Bed) -> None:
 
 
 def test_an_adapter_of_an_allowed_repo_is_downloaded_once_into_the_hub_cache(bed: Bed) -> None:
+    # The model is cached, yet vLLM stays online: the Hub's adapters need it.
+    log = bed.worker.log()
+    assert ("model source: VLLM_LORA_RESOLVER_HF_REPO_LIST (adapters named by jobs come from "
+            "the Hub) is set: vLLM asks the Hub as usual, though everything is cached") in log
+    launching = next(line for line in log.splitlines() if "launching:" in line)
+    assert "HF_HUB_OFFLINE=1" not in launching
     mark = bed.hub.count()
     assert bed.completion("acme/tiny-lora")["model"] == "acme/tiny-lora"
     asked = bed.hub.since(mark)
@@ -240,7 +253,7 @@ def test_an_adapter_of_another_base_model_is_not_taken(bed: Bed) -> None:
     assert error["code"] == 404
     assert ("names the base model 'org/another-model' (base_model_name_or_path), and vLLM "
             "takes an adapter only for the model it serves, named exactly as --model names it: "
-            f"'{bed.model}'") in error["message"]
+            f"'{MODEL_REPO}'") in error["message"]
 
 
 def test_a_listed_repo_the_hub_does_not_have(bed: Bed) -> None:
@@ -304,7 +317,7 @@ TOKENS = 200
 
 async def token_order(url: str, first: str, second: str) -> list[str]:
     """Whose token each streamed event was, in arrival order; ``second`` is sent once
-    ``first`` streams."""
+    ``first`` streams, while most of its tokens are still to come (checked)."""
     order: list[str] = []
     streaming = asyncio.Event()
     async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
@@ -316,11 +329,15 @@ async def token_order(url: str, first: str, second: str) -> list[str]:
                     if line.startswith("data: {"):
                         order.append(model)
                         streaming.set()
+                        # Buffered events are read without a pause: let the other task run.
+                        await asyncio.sleep(0)
 
         running = asyncio.create_task(stream(first))
         await streaming.wait()
+        sent_after = len(order)
         await stream(second)
         await running
+    assert sent_after < TOKENS // 4, f"the second request went out after {sent_after} events"
     return order
 
 

@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from worker.config import Launch
 from worker.errors import ConfigError
 from worker.inputs import read_text
+from worker.values import is_true
 
 RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
@@ -323,36 +324,70 @@ def sent_model(body: bytes) -> str | None:
 
 
 # -- reading the launch ----------------------------------------------------------------------
-def adapter_sources(launch: Launch) -> AdapterSources:
-    """The resolvers vLLM 0.32 registers in the launch's environment, by vLLM's own rules.
+@dataclass(frozen=True)
+class _Registered:
+    """The resolvers vLLM 0.32 registers in an environment, by vLLM's own rules.
 
     ``VLLM_PLUGINS`` unset loads every general plugin; set, it is split on commas as written
     (a space is part of a name). The filesystem resolver registers with its folder set; the
     Hub resolver only when ``VLLM_PLUGINS`` names it and its repo list is set.
     """
+
+    runtime: bool
+    plugins: list[str] | None
+    folder_value: str | None
+    repos_value: str | None
+
+    @classmethod
+    def of(cls, env: Mapping[str, str]) -> _Registered:
+        return cls(env.get(RUNTIME_VARIABLE, "0").strip().lower() in ("1", "true"),
+                   env[PLUGINS_VARIABLE].split(",") if PLUGINS_VARIABLE in env else None,
+                   env.get(FOLDER_VARIABLE) or None, env.get(REPOS_VARIABLE) or None)
+
+    @property
+    def folder(self) -> str | None:
+        allowed = self.plugins is None or FOLDER_PLUGIN in self.plugins
+        return self.folder_value if allowed else None
+
+    @property
+    def repos(self) -> tuple[str, ...]:
+        if not self.repos_value or self.plugins is None or HUB_PLUGIN not in self.plugins:
+            return ()
+        return tuple(self.repos_value.split(","))
+
+
+def hub_adapters_setting(env: Mapping[str, str]) -> str | None:
+    """The setting by which jobs may make vLLM download adapters from the Hub, when they may
+    (vLLM's environment): the Hub must stay reachable, whatever the cache holds."""
+    registered = _Registered.of(env)
+    if registered.runtime and registered.repos:
+        return f"{REPOS_VARIABLE} (adapters named by jobs come from the Hub)"
+    return None
+
+
+def adapter_sources(launch: Launch) -> AdapterSources:
+    """What the launch's vLLM does with an adapter a job names (see :class:`_Registered`)."""
     env, command = launch.env, launch.command
-    runtime = env.get(RUNTIME_VARIABLE, "0").strip().lower() in ("1", "true")
-    plugins = env[PLUGINS_VARIABLE].split(",") if PLUGINS_VARIABLE in env else None
-    folder_value = env.get(FOLDER_VARIABLE) or None
-    repos_value = env.get(REPOS_VARIABLE) or None
-    folder = folder_value if folder_value and (plugins is None or FOLDER_PLUGIN in plugins) \
-        else None
-    hub_on = bool(repos_value) and plugins is not None and HUB_PLUGIN in plugins
-    repos = tuple(repos_value.split(",")) if hub_on and repos_value else ()
+    registered = _Registered.of(env)
     rank = command.value("--max-lora-rank")
+    # What vLLM's huggingface_hub sees, a cached model's HF_HUB_OFFLINE=1 included.
+    offline = launch.hub.offline or next(
+        (f"{name}={env[name].strip()}" for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+         if is_true(env.get(name))), None)
     sources = AdapterSources(
-        runtime_updating=runtime,
-        folder=folder,
-        hub_repos=repos,
+        runtime_updating=registered.runtime,
+        folder=registered.folder,
+        hub_repos=registered.repos,
         base_model=command.model,
         served_names=command.served_model_names or ((command.model,) if command.model else ()),
         static_adapters=tuple(module.name for module in command.lora_modules),
         lora_enabled=command.enabled("--enable-lora"),
         max_lora_rank=int(rank) if rank is not None and rank.isdigit() else DEFAULT_MAX_LORA_RANK,
-        offline=launch.hub.offline,
+        offline=offline,
     )
-    return replace(sources, warnings=tuple(_warnings(sources, plugins, folder_value,
-                                                     repos_value)))
+    return replace(sources, warnings=tuple(_warnings(sources, registered.plugins,
+                                                     registered.folder_value,
+                                                     registered.repos_value)))
 
 
 def _warnings(sources: AdapterSources, plugins: list[str] | None, folder_value: str | None,
