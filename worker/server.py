@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+from worker.adapters import adapter_sources
 from worker.errors import PrestartFailed, WorkerError
 from worker.handler import BackendFailureProbe, Proxy
 from worker.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
@@ -65,7 +66,12 @@ class QueueWorker:
         self._stop_grace = 15.0
 
     def _default_proxy(self, served_model: str | None, probe: BackendFailureProbe) -> Proxy:
-        return Proxy(self.settings, served_model=served_model, backend_failure=probe)
+        launch = self.startup.launch
+        adapters = adapter_sources(launch) if launch is not None else None
+        if adapters is not None and (summary := adapters.summary()) is not None:
+            logger.info("%s", summary)
+        return Proxy(self.settings, served_model=served_model, backend_failure=probe,
+                     adapters=adapters)
 
     # -- the whole run -------------------------------------------------------------------
     def run_serverless(self) -> int:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 
+from worker.adapters import adapter_sources, missing_adapter_folder
 from worker.build import Builder
 from worker.config import Launch, VllmCommand
 from worker.diagnosis import diagnose
@@ -121,6 +122,8 @@ class Startup:
         self._reporter: asyncio.Task[None] | None = None
         self.process: VllmProcess | None = None
         """The vLLM of the latest attempt (stopped by the runner at the end)."""
+        self.launch: Launch | None = None
+        """The launch of the latest attempt (what its vLLM was started with)."""
         self.progress = StartProgress()
         """What the start is doing now (its phase, its downloads)."""
 
@@ -141,11 +144,17 @@ class Startup:
             return StartOutcome(exc)
         if (missing := missing_baked_model(launch.command)) is not None:
             return StartOutcome(missing, launch.command)
+        adapters = adapter_sources(launch)
+        for warning in adapters.warnings:
+            logger.warning("%s", warning)
+        if (no_folder := missing_adapter_folder(adapters)) is not None:
+            return StartOutcome(no_folder, launch.command)
 
         hub = asyncio.create_task(self._check_hub(launch))
         tried: list[str] = []
         try:
             while True:
+                self.launch = launch
                 self.process = self._spawn(launch)
                 self.progress.read_phase_from(self.process.timeline.latest)
                 attempt = await self._attempt(self.process, launch, hub)

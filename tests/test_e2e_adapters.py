@@ -1,0 +1,400 @@
+"""Adapters per job on the real CPU vLLM, through the SDK loop and in load-balancer mode.
+
+One queue worker serves the tiny model with both of vLLM's LoRA resolvers on, as
+docs/adapters.md sets them up: a folder on the "volume" and the loopback Hub
+(tests/fake_hub.py, every request recorded) with an allow-list. The model is a Hub repo cached
+on the volume, as a worker after the first finds it. It checks what a job naming an
+adapter gets (served, or an error saying what happened and how to fix it), what is downloaded
+and cached where, and how many adapters vLLM keeps loaded (MAX_LORAS, MAX_CPU_LORAS). A
+worker in lb mode on the same volume shows what a client gets there: vLLM's own answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.fake_hub import FakeHub, read_folder
+from tests.fake_job_api import FakeJobApi
+from tests.hf_cache import write_snapshot
+from tests.lb_worker import LbWorker, start_lb_worker
+from tests.test_e2e_config import answer
+from tests.worker_process import WorkerProcess, base_env
+
+pytestmark = pytest.mark.vllm
+
+SERVED = "tiny"
+MODEL_REPO = "acme/tiny"
+HUB_TOKEN = "hf_TokenOfThePrivateAdapterRepo5521"
+TARGETS = ("q_proj", "v_proj")
+
+
+def lora_files(model: Path, *, seed: int, rank: int = 8, scale: float = 0.1,
+               base: str = MODEL_REPO) -> dict[str, bytes]:
+    """A LoRA adapter of the tiny model as PEFT saves one, with weights strong enough to move
+    its logprobs well away from another seed's: adapter_config.json and the safetensors."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, head = config["hidden_size"], config["head_dim"]
+    out = {"q_proj": config["num_attention_heads"] * head,
+           "v_proj": config["num_key_value_heads"] * head}
+    rng = random.Random(seed)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    data = bytearray()
+    for layer in range(config["num_hidden_layers"]):
+        for target in TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            for part, shape in (("lora_A", [rank, hidden]), ("lora_B", [out[target], rank])):
+                count = shape[0] * shape[1]
+                header[f"{prefix}.{part}.weight"] = {
+                    "dtype": "F32", "shape": shape, "data_offsets": [len(data),
+                                                                     len(data) + 4 * count]}
+                data += struct.pack(f"<{count}f", *(rng.gauss(0, scale) for _ in range(count)))
+    head_bytes = json.dumps(header).encode()
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
+               "lora_dropout": 0.0, "bias": "none", "target_modules": list(TARGETS),
+               "base_model_name_or_path": base}
+    return {"adapter_config.json": json.dumps(adapter, indent=2).encode(),
+            "adapter_model.safetensors": struct.pack("<Q", len(head_bytes)) + head_bytes
+            + bytes(data)}
+
+
+def write(folder: Path, files: dict[str, bytes]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+@dataclass
+class Bed:
+    api: FakeJobApi
+    hub: FakeHub
+    worker: WorkerProcess
+    env: dict[str, str]
+    loras: Path
+    hub_cache: Path
+
+    def error(self, job_input: dict[str, Any]) -> dict[str, Any]:
+        record = self.api.wait_done(self.api.submit(job_input), timeout=300)
+        assert record.error is not None, record.done
+        return record.error
+
+    def completion(self, model: str, **params: Any) -> dict[str, Any]:
+        return answer(self.api, {"prompt": "Hello world", "model": model,
+                                 "sampling_params": {"max_tokens": 3, **params}})
+
+    def logprobs(self, model: str) -> list[float]:
+        """The greedy tokens' logprobs: what an adapter's weights make of one prompt."""
+        body = self.completion(model, temperature=0, logprobs=1)
+        values: list[float] = body["choices"][0]["logprobs"]["token_logprobs"]
+        return values
+
+
+def same(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) < 1e-4 for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def bed(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    root = tmp_path_factory.mktemp("adapters")
+    volume = root / "runpod-volume"
+    loras, hub_cache = volume / "loras", volume / "huggingface-cache" / "hub"
+    # PEFT's own files for the tiny model, with the model as vLLM's --model names it.
+    shutil.copytree(tiny_lora, loras / "sql")
+    config = json.loads((loras / "sql" / "adapter_config.json").read_text())
+    (loras / "sql" / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": MODEL_REPO}))
+    write(loras / "other-base", lora_files(tiny_model, seed=1, base="org/another-model"))
+    write(loras / "big", lora_files(tiny_model, seed=2, rank=32))
+    for seed, name in enumerate(("lru-1", "lru-2", "lru-3", "lru-w", "batch-1", "batch-2"), 10):
+        write(loras / name, lora_files(tiny_model, seed=seed))
+    write(root / "elsewhere" / "stray", lora_files(tiny_model, seed=3))
+    write(loras / "acme" / "multi" / "chat", lora_files(tiny_model, seed=7))  # also on the Hub
+
+    hub = FakeHub()
+    model_files = {name: data for name, data in read_folder(tiny_model).items()
+                   if not name.startswith("lora/")}
+    hub.add(MODEL_REPO, model_files)
+    write_snapshot(hub_cache, MODEL_REPO, model_files)  # on the volume, as the Hub has it
+    hub.add("acme/tiny-lora", lora_files(tiny_model, seed=4))
+    hub.add("acme/multi", {f"sql/{n}": d for n, d in lora_files(tiny_model, seed=5).items()}
+            | {f"chat/{n}": d for n, d in lora_files(tiny_model, seed=6).items()})
+    hub.add("acme/private-lora", lora_files(tiny_model, seed=8), gated=True, token=HUB_TOKEN)
+    with hub, FakeJobApi() as api:
+        env = {
+            **tiny_env, **api.env(), "VLLM_PORT": str(free_port()),
+            "MODEL_NAME": MODEL_REPO, "HF_HUB_OFFLINE": "", "HF_ENDPOINT": hub.url,
+            "HF_HUB_CACHE": str(hub_cache),
+            "SERVED_MODEL_NAME": SERVED, "ENABLE_PREFIX_CACHING": "false",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
+            "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver",
+            "VLLM_LORA_RESOLVER_CACHE_DIR": str(loras),
+            "VLLM_LORA_RESOLVER_HF_REPO_LIST": "acme/tiny-lora,acme/multi,acme/missing,"
+                                               "acme/private-lora",
+            "HF_TOKEN": HUB_TOKEN,
+        }
+        api.health_url = f"http://127.0.0.1:{env['VLLM_PORT']}/health"
+        worker = WorkerProcess(
+            [sys.executable, "-m", "worker"],
+            {**env, "ENABLE_LORA": "true", "MAX_CPU_LORAS": "2"},  # MAX_LORAS: vLLM's 1
+            log_path=root / "worker.log")
+        try:
+            yield Bed(api, hub, worker, env, loras, hub_cache)
+        finally:
+            worker.kill()
+
+
+# -- served -----------------------------------------------------------------------------------
+def test_an_adapter_in_the_folder_is_served_under_its_name(bed: Bed) -> None:
+    assert bed.completion("sql")["model"] == "sql"
+    models = {m["id"]: m for m in answer(bed.api, {"route": "/v1/models"})["data"]}
+    assert models["sql"]["root"] == str(bed.loras / "sql")
+    assert models["sql"]["parent"] == SERVED
+    log = bed.worker.log()
+    assert (f"adapters named by jobs are looked up in the folder {bed.loras} "
+            "(VLLM_LORA_RESOLVER_CACHE_DIR) and the Hub repos acme/tiny-lora, acme/multi, "
+            "acme/missing, acme/private-lora (VLLM_LORA_RESOLVER_HF_REPO_LIST)") in log
+    assert "please note that allowing remote downloads is not secure" in log  # vLLM's warning
+    # vLLM joins the name onto the folder: the folder is no boundary.
+    assert bed.completion("../../elsewhere/stray")["model"] == "../../elsewhere/stray"
+
+
+def test_an_adapter_of_an_allowed_repo_is_downloaded_once_into_the_hub_cache(bed: Bed) -> None:
+    # The model is cached, yet vLLM stays online: the Hub's adapters need it.
+    log = bed.worker.log()
+    assert ("model source: VLLM_LORA_RESOLVER_HF_REPO_LIST (adapters named by jobs come from "
+            "the Hub) is set: vLLM asks the Hub as usual, though everything is cached") in log
+    launching = next(line for line in log.splitlines() if "launching:" in line)
+    assert "HF_HUB_OFFLINE=1" not in launching
+    mark = bed.hub.count()
+    assert bed.completion("acme/tiny-lora")["model"] == "acme/tiny-lora"
+    asked = bed.hub.since(mark)
+    commit = bed.hub.repos["acme/tiny-lora"].commit
+    assert ("GET", "/api/models/acme/tiny-lora/tree/main") in [(r.method, r.path) for r in asked]
+    fetched = sorted(r.path for r in asked if r.method == "GET" and "/resolve/" in r.path)
+    assert fetched == [f"/acme/tiny-lora/resolve/{commit}/adapter_config.json",
+                       f"/acme/tiny-lora/resolve/{commit}/adapter_model.safetensors"]
+    snapshot = bed.hub_cache / "models--acme--tiny-lora" / "snapshots" / commit
+    assert (snapshot / "adapter_model.safetensors").read_bytes() == \
+        bed.hub.repos["acme/tiny-lora"].files["adapter_model.safetensors"]
+    # Once resolved, the name is vLLM's: no request to the Hub again.
+    mark = bed.hub.count()
+    assert bed.completion("acme/tiny-lora")["model"] == "acme/tiny-lora"
+    assert bed.hub.since(mark) == []
+
+
+def test_an_adapter_in_a_folder_of_a_repo_downloads_that_folder_only(bed: Bed) -> None:
+    mark = bed.hub.count()
+    assert bed.completion("acme/multi/sql")["model"] == "acme/multi/sql"
+    fetched = [r.path for r in bed.hub.since(mark) if r.method == "GET" and "/resolve/" in r.path]
+    assert sorted(path.rsplit("/", 2)[1] for path in fetched) == ["sql", "sql"]
+    assert not list(bed.hub_cache.glob("models--acme--multi/snapshots/*/chat"))
+
+
+def test_the_folder_is_looked_in_before_the_hub(bed: Bed) -> None:
+    mark = bed.hub.count()
+    assert bed.completion("acme/multi/chat")["model"] == "acme/multi/chat"
+    assert bed.hub.since(mark) == []
+    models = {m["id"]: m for m in answer(bed.api, {"route": "/v1/models"})["data"]}
+    assert models["acme/multi/chat"]["root"] == str(bed.loras / "acme" / "multi" / "chat")
+
+
+def test_a_private_repo_is_read_with_hf_token(bed: Bed) -> None:
+    mark = bed.hub.count()
+    assert bed.completion("acme/private-lora")["model"] == "acme/private-lora"
+    downloads = [r for r in bed.hub.since(mark) if r.method == "GET" and "/resolve/" in r.path]
+    assert len(downloads) == 2 and all(r.token == HUB_TOKEN for r in downloads)
+
+
+# -- the errors a job gets ---------------------------------------------------------------------
+def test_a_repo_outside_the_allow_list_is_never_asked(bed: Bed) -> None:
+    mark = bed.hub.count()
+    error = bed.error({"prompt": "Hi", "model": "evil/lora"})
+    assert error["type"] == "vllm_error" and error["code"] == 404
+    assert error["message"].startswith(
+        "No model or adapter named 'evil/lora' is served here, and vLLM's resolvers found none: "
+        f"there is no {bed.loras / 'evil/lora'}; 'evil/lora' is in none of the Hub repos "
+        "VLLM_LORA_RESOLVER_HF_REPO_LIST allows (acme/tiny-lora, acme/multi, acme/missing, "
+        "acme/private-lora)")
+    assert error["vllm"]["message"] == ("The model `evil/lora` does not exist. Valid aliases: "
+                                        f"{SERVED}.")
+    assert [r.path for r in bed.hub.since(mark) if "evil" in r.path] == []
+
+
+def test_a_missing_adapter_is_told_where_the_worker_looked(bed: Bed) -> None:
+    error = bed.error({"messages": [{"role": "user", "content": "Hi"}], "model": "nope"})
+    assert error["code"] == 404
+    message = error["message"]
+    assert f"there is no {bed.loras / 'nope'}" in message
+    assert f"This worker serves {SERVED}." in message
+    assert f"Fix: put the adapter in {bed.loras / 'nope'}" in message
+    # An allowed repo's folder that holds no adapter.
+    assert "the allowed repo acme/multi has no adapter in 'nope'" in bed.error(
+        {"prompt": "Hi", "model": "acme/multi/nope"})["message"]
+
+
+def test_an_adapter_of_another_base_model_is_not_taken(bed: Bed) -> None:
+    error = bed.error({"prompt": "Hi", "model": "other-base"})
+    assert error["code"] == 404
+    assert ("names the base model 'org/another-model' (base_model_name_or_path), and vLLM "
+            "takes an adapter only for the model it serves, named exactly as --model names it: "
+            f"'{MODEL_REPO}'") in error["message"]
+
+
+def test_a_listed_repo_the_hub_does_not_have(bed: Bed) -> None:
+    error = bed.error({"prompt": "Hi", "model": "acme/missing"})
+    assert error["type"] == "vllm_error" and error["code"] == 500  # vLLM's status, kept
+    assert error["message"].startswith(
+        "vLLM's Hub resolver could not read the repo acme/missing (allowed by "
+        "VLLM_LORA_RESOLVER_HF_REPO_LIST) for the adapter 'acme/missing': 404 Client Error. "
+        f"Repository Not Found for url: {bed.hub.url}/api/models/acme/missing/tree/main")
+    assert "Repository Not Found" in error["vllm"]["message"]
+
+
+def test_an_adapter_above_max_lora_rank_is_found_but_not_loaded(bed: Bed) -> None:
+    error = bed.error({"prompt": "Hi", "model": "big"})
+    assert error["code"] == 400
+    assert error["vllm"]["message"] == "LoRA adapter 'big' was found but could not be loaded."
+    assert error["message"] == (
+        f"vLLM found the adapter 'big' in {bed.loras / 'big'} but could not load it. Fix: its "
+        f"rank (r=32 in {bed.loras / 'big' / 'adapter_config.json'}) is above MAX_LORA_RANK "
+        "(16): set MAX_LORA_RANK=32 or more.")
+    assert "LoRA rank 32 is greater than max_lora_rank 16" in bed.worker.log()  # vLLM's default
+
+
+# -- how many stay loaded ----------------------------------------------------------------------
+def test_max_cpu_loras_adapters_stay_in_memory_the_others_are_read_again(bed: Bed) -> None:
+    """MAX_CPU_LORAS=2: the two adapters used last stay loaded; a third evicts the least
+    recently used, which is read again from its folder when next named."""
+    first = bed.logprobs("lru-1")
+    # New weights on disk under the same name, as a new file (vLLM may map the one it read).
+    weights = bed.loras / "lru-1" / "adapter_model.safetensors"
+    shutil.copyfile(bed.loras / "lru-w" / "adapter_model.safetensors", f"{weights}.new")
+    os.replace(f"{weights}.new", weights)
+    assert not same(bed.logprobs("lru-2"), first)
+    assert same(bed.logprobs("lru-1"), first)  # loaded: lru-2, lru-1
+    bed.logprobs("lru-3")  # evicts lru-2: lru-1, lru-3
+    bed.logprobs("lru-2")  # evicts lru-1: lru-3, lru-2
+    reloaded = bed.logprobs("lru-1")  # read again from its folder
+    assert not same(reloaded, first)
+    assert same(reloaded, bed.logprobs("lru-w"))
+
+
+def test_max_loras_adapters_share_a_batch_the_others_wait(bed: Bed) -> None:
+    """MAX_LORAS=1: a request of another adapter waits until the running one ends, while one
+    of the base model shares the batch: the order in which two streams' tokens arrive."""
+    for name in ("batch-1", "batch-2"):  # resolved first, so that only generation is timed
+        bed.completion(name)
+    url = f"http://127.0.0.1:{bed.env['VLLM_PORT']}/v1/completions"
+    waited = asyncio.run(token_order(url, "batch-1", "batch-2"))
+    assert waited.count("batch-1") == waited.count("batch-2") == TOKENS
+    # Events of the first before the second's first: all of them when the second waited (but
+    # for a few still unread at the seam), a few when both share the batch.
+    assert waited.index("batch-2") >= TOKENS - 10, waited
+    shared = asyncio.run(token_order(url, SERVED, "batch-1"))
+    assert shared.index("batch-1") < TOKENS // 2, shared
+    print(f"events of the first stream before the second's first: {waited.index('batch-2')} "
+          f"(another adapter), {shared.index('batch-1')} (the base model)")
+
+
+TOKENS = 200
+
+
+async def token_order(url: str, first: str, second: str) -> list[str]:
+    """Whose token each streamed event was, in arrival order; ``second`` is sent once
+    ``first`` streams, while most of its tokens are still to come (checked)."""
+    order: list[str] = []
+    streaming = asyncio.Event()
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        async def stream(model: str) -> None:
+            body = {"model": model, "prompt": "Count", "max_tokens": TOKENS, "ignore_eos": True,
+                    "stream": True}
+            async with client.stream("POST", url, json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        order.append(model)
+                        streaming.set()
+                        # Buffered events are read without a pause: let the other task run.
+                        await asyncio.sleep(0)
+
+        running = asyncio.create_task(stream(first))
+        await streaming.wait()
+        sent_after = len(order)
+        await stream(second)
+        await running
+    assert sent_after < TOKENS // 4, f"the second request went out after {sent_after} events"
+    return order
+
+
+# -- load-balancer mode --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lb(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LbWorker, str]]:
+    """A worker in lb mode on the same volume and Hub, without ENABLE_LORA; and its vLLM."""
+    bed.completion("acme/tiny-lora")  # in the Hub cache on the volume (no-op if it was)
+    env = {k: v for k, v in bed.env.items() if not k.startswith("RUNPOD_")}
+    port = free_port()
+    worker = start_lb_worker({**env, "VLLM_PORT": str(port)},
+                             tmp_path_factory.mktemp("lb") / "lb.log")
+    try:
+        worker.wait_for_status(200, timeout=300)
+        yield worker, f"http://127.0.0.1:{port}"
+    finally:
+        worker.health.stop()
+        worker.worker.kill()
+
+
+def test_in_lb_mode_a_client_gets_vllms_own_answers(
+    bed: Bed, lb: tuple[LbWorker, str]
+) -> None:
+    worker, vllm_url = lb
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        def both(model: str) -> tuple[httpx.Response, httpx.Response]:
+            body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+            return (client.post(f"{worker.url}/v1/completions", json=body),
+                    client.post(f"{vllm_url}/v1/completions", json=body))
+
+        relayed, direct = both("nope")
+        assert relayed.status_code == direct.status_code == 404
+        assert relayed.content == direct.content  # byte for byte, no explanation added
+        assert relayed.json()["error"]["message"] == ("The model `nope` does not exist. Valid "
+                                                      f"aliases: {SERVED}.")
+        # Without ENABLE_LORA the resolver finds the adapter and vLLM cannot load it.
+        relayed, direct = both("sql")
+        assert relayed.status_code == 400 and relayed.content == direct.content
+        assert relayed.json()["error"]["message"] == ("LoRA adapter 'sql' was found but could "
+                                                      "not be loaded.")
+        # The volume's Hub cache has the adapter: this worker downloads no file of it again.
+        mark = bed.hub.count()
+        assert both("acme/tiny-lora")[0].status_code == 400
+        asked = bed.hub.since(mark)
+        assert "/api/models/acme/tiny-lora/tree/main" in [r.path for r in asked]
+        assert [r.path for r in asked if r.method == "GET" and "/resolve/" in r.path] == []
+    assert ("adapters named by jobs are looked up, but LoRA is off in vLLM: set "
+            "ENABLE_LORA=true") in worker.worker.log()
+
+
+def test_vllm_itself_exits_at_start_without_the_folder(
+    vllm_executable: str, tmp_path: Path
+) -> None:
+    """What the worker's own check (tests/test_adapters.py) spares a job: vLLM loads its
+    plugins before it parses a flag, and the folder's resolver refuses a missing folder."""
+    env = {**base_env(), "VLLM_LORA_RESOLVER_CACHE_DIR": str(tmp_path / "loras")}
+    done = subprocess.run([vllm_executable, "--version"], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode != 0
+    assert "VLLM_LORA_RESOLVER_CACHE_DIR must be set to a valid directory" in done.stderr
