@@ -433,7 +433,12 @@ class Proxy:
 def _body(request: VllmRequest) -> dict[str, Any]:
     """httpx's arguments for the request's body: a form, JSON, or nothing."""
     if request.form is not None:
-        return httpx_parts(request.form)
+        # Written by httpx's encoder, then sent as one body, like JSON: sent as httpx's stream
+        # instead, a cancelled job's closed connection did not abort vLLM's transcription
+        # (tests/test_e2e_speech.py::test_cancelling_a_streamed_transcription_aborts_it_in_vllm).
+        form = httpx.Request("POST", "http://vllm", **httpx_parts(request.form))
+        return {"content": form.read(),
+                "headers": {"content-type": form.headers["content-type"]}}
     if request.body is not None:
         return {"content": json.dumps(request.body).encode(),
                 "headers": {"content-type": "application/json"}}

@@ -106,29 +106,29 @@ class CachedRepo:
     finished blob)."""
 
 
-def _listing(text: str | None) -> tuple[str, ...] | None:
+def _object_field(text: str | None, key: str) -> dict[str, object] | None:
+    """The object under ``key`` of a JSON object's text; None when it does not read so."""
     if text is None:
         return None
     try:
         data = json.loads(text)
     except ValueError:
         return None
-    files = data.get("files") if isinstance(data, dict) else None
-    return tuple(sorted(files)) if isinstance(files, dict) else None
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def _listing(text: str | None) -> tuple[str, ...] | None:
+    """Every path of a ``trees/<commit>.json``."""
+    files = _object_field(text, "files")
+    return tuple(sorted(files)) if files is not None else None
 
 
 def weight_map_of(text: str | None) -> tuple[str, ...] | None:
     """The shards a safetensors index (its text) names; None when it does not read."""
-    if text is None:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    mapping = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(mapping, dict):
-        return None
-    return tuple(sorted({str(value) for value in mapping.values()}))
+    mapping = _object_field(text, "weight_map")
+    return tuple(sorted({str(value) for value in mapping.values()})) if mapping is not None \
+        else None
 
 
 def read_cached_repo(

@@ -8,11 +8,15 @@ One metadata request per repo answers the same question in well under a second, 
 :class:`~worker.errors.StartupError` whose message says what to set.
 
 Only definitive answers stop the start: the repo does not exist or cannot be read, it is gated
-and the token's account has no access, the revision does not exist, the token is invalid. An
-*uncertain* answer (no answer in time, 429, 5xx, no network) is a warning and the start goes
-on: vLLM downloads the model itself and :mod:`worker.diagnosis` explains a real failure from
-its log. A refusal for a repo that is already in the local Hugging Face cache is a warning too,
-because huggingface_hub then loads the cached copy.
+and the token's account has no access, the revision does not exist, the token is invalid. The
+Hub *not answering* (refused, unreachable, no answer in time, 5xx) about a repo that is not
+cached is an :class:`HubOutage`: the start policy stops vLLM, which cannot load it, and asks
+again (:mod:`worker.policy`). Any other uncertain answer (429, an unexpected error) is a warning
+and the start goes on. A refusal for a repo that is already in the local Hugging Face cache is a
+warning too, because huggingface_hub then loads the cached copy; for a repo the start serves
+from the cache (:mod:`worker.model_source`) the check only tells, in the background, whether its
+branch moved on. For a repo vLLM downloads, the same answer lists its files with their sizes,
+for the prefetch and the progress lines (:mod:`worker.prefetch`, :mod:`worker.progress`).
 
 The repos are read from the resolved command (:class:`~worker.config.VllmCommand`), so a
 model set in ``VLLM_EXTRA_ARGS`` or the config file is checked like one set by
