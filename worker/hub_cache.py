@@ -127,8 +127,9 @@ def _listing(text: str | None) -> tuple[str, ...] | None:
 def weight_map_of(text: str | None) -> tuple[str, ...] | None:
     """The shards a safetensors index (its text) names; None when it does not read."""
     mapping = _object_field(text, "weight_map")
-    return tuple(sorted({str(value) for value in mapping.values()})) if mapping is not None \
-        else None
+    if mapping is None:
+        return None
+    return tuple(sorted({str(value) for value in mapping.values()}))
 
 
 def read_cached_repo(
