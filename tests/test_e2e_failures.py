@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -197,10 +198,16 @@ def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
         assert record.error is not None and record.error["type"] == "backend_unavailable"
         assert "exited with code -9" in record.error["message"]
     assert code != 0
-    print(f"worker exited {exited_after:.2f} s after vLLM's death")
-    # A bound that separates "exits at once" from a hang or a slow engine stop (the bug this
-    # guards against took ~8 s); the figure itself is printed, not held to the 2 s goal.
-    assert exited_after < 4.0, exited_after
+    # What is left of vLLM's group has no server to shut down for: the stop grants it 1 s,
+    # not the 15 s of a normal stop (waiting out the engine's own stop took ~8 s). The grace
+    # is read from the worker's log, not from a clock: the time from the kill to the worker's
+    # exit depends on the machine (1.6-1.9 s on 2 idle or busy cores, 5.3 s once in CI).
+    log = worker.log()
+    assert "SIGKILL after 1 s)" in log and "SIGKILL after 15 s)" not in log
+    stopped = re.search(r"no process of its group left ([\d.]+) s after the stop began", log)
+    assert stopped is not None
+    print(f"worker exited {exited_after:.2f} s after vLLM's death; its group stopped "
+          f"{stopped[1]} s after the stop began")
     assert worker.vllm_processes_left() == []
 
 

@@ -234,8 +234,9 @@ class VllmProcess:
         if self._proc is None:
             return
         pgid = self._proc.pid  # start_new_session: the child leads its own group
+        began = time.monotonic()
         if self._group_alive(pgid):
-            logger.info("stopping vLLM (process group %d)", pgid)
+            logger.info("stopping vLLM (process group %d; SIGKILL after %.0f s)", pgid, grace)
             self._signal_group(pgid, signal.SIGTERM)
             deadline = time.monotonic() + grace
             while self._group_alive(pgid) and time.monotonic() < deadline:
@@ -248,6 +249,8 @@ class VllmProcess:
         self._proc.wait()
         if self._pump is not None:
             self._pump.join(timeout=2.0)
+        logger.info("vLLM stopped: no process of its group left %.1f s after the stop began",
+                    time.monotonic() - began)
 
     def _group_alive(self, pgid: int) -> bool:
         assert self._proc is not None
