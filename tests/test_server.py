@@ -4,6 +4,7 @@ executables (shell scripts) and the fake job API: fast, no real vLLM needed."""
 from __future__ import annotations
 
 import json
+import logging
 import stat
 import threading
 from collections.abc import Iterator
@@ -119,6 +120,22 @@ def test_vllm_gets_neither_the_platforms_credentials_nor_a_key_it_would_demand()
     env = {"HF_TOKEN": "hf_x", "RUNPOD_AI_API_KEY": "rp", "RUNPOD_WEBHOOK_GET_JOB": "u",
            "VLLM_API_KEY": "k", "VLLM_PORT": "8000", "PATH": "/bin"}
     child = vllm_environment(env, command)
-    assert child == {"HF_TOKEN": "hf_x", "PATH": "/bin", "HF_HUB_OFFLINE": "1"}
-    # A plain pod (http mode) serves users directly: there the key is vLLM's to check.
-    assert vllm_environment(env, command, behind_worker=False)["VLLM_API_KEY"] == "k"
+    assert child == {"HF_TOKEN": "hf_x", "PATH": "/bin", "HF_HUB_OFFLINE": "1",
+                     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}
+    # A plain pod (http mode) serves users directly: there the key is vLLM's to check, and
+    # its keep-alive stays vLLM's own.
+    plain = vllm_environment(env, command, behind_worker=False)
+    assert plain["VLLM_API_KEY"] == "k" and "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in plain
+
+
+@pytest.mark.parametrize(("mine", "warned"), [("5", True), ("2.5", True), ("6", False),
+                                              ("300", False), ("soon", False)])
+def test_a_keep_alive_the_user_sets_is_kept_and_one_too_short_is_warned_about(
+    mine: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    command = VllmCommand(("vllm", "serve", "m"))
+    with caplog.at_level(logging.WARNING, logger="worker"):
+        child = vllm_environment({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": mine}, command)
+    assert child["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == mine
+    assert ("backend_unavailable" in caplog.text) is warned
+    assert ("the worker gives vLLM 60 s" in caplog.text) is warned

@@ -17,7 +17,14 @@ from pathlib import Path
 from worker.adapters import hub_adapters_setting
 from worker.catalog import resolve_catalog
 from worker.command import build_command
-from worker.config import HubAccess, Launch, VllmCommand
+from worker.config import (
+    KEEP_ALIVE_VARIABLE,
+    PROXY_IDLE_SECONDS,
+    VLLM_KEEP_ALIVE_SECONDS,
+    HubAccess,
+    Launch,
+    VllmCommand,
+)
 from worker.flags import FlagCatalog
 from worker.hub_cache import CachedRepo, read_cached_repo
 from worker.inputs import read_text
@@ -87,8 +94,26 @@ def vllm_environment(
             "without a key, and the platform authenticates requests (it applies in "
             "WORKER_MODE=http)"
         )
+    if behind_worker:
+        _keep_connections_open(child)
     child.update(command.env_overrides)
     return child
+
+
+def _keep_connections_open(child: dict[str, str]) -> None:
+    """vLLM keeps an idle connection open longer than the worker's clients reuse one
+    (:data:`worker.config.VLLM_KEEP_ALIVE_SECONDS`), unless the user chose otherwise."""
+    mine = child.setdefault(KEEP_ALIVE_VARIABLE, str(VLLM_KEEP_ALIVE_SECONDS))
+    try:
+        too_short = float(mine) <= PROXY_IDLE_SECONDS
+    except ValueError:
+        return  # vLLM's own start names the bad value
+    if too_short:
+        logger.warning(
+            "%s=%s: vLLM may close a connection the worker still sends a job on (it reuses "
+            "one idle for up to %g s), and that job fails with backend_unavailable; unset it "
+            "(the worker gives vLLM %d s)", KEEP_ALIVE_VARIABLE, mine, PROXY_IDLE_SECONDS,
+            VLLM_KEEP_ALIVE_SECONDS)
 
 
 def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = read_text) -> HubAccess:

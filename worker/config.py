@@ -22,6 +22,17 @@ from worker.secrets import SecretMasker
 if TYPE_CHECKING:
     from worker.model_source import ModelSources
 
+#: Seconds the worker's clients of vLLM (the queue proxy, the load balancer's relay) keep an
+#: idle connection to it for the next request.
+PROXY_IDLE_SECONDS = 5.0
+#: vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` behind the worker, far past PROXY_IDLE_SECONDS.
+#: With vLLM's default (5 s, the same as the clients'), a request sent on a connection as
+#: vLLM's keep-alive expires fails; and when vLLM's loop stalls, uvloop runs the expired
+#: timers before it reads the requests that arrived meanwhile, so those fail too
+#: (tests/test_e2e_failures.py, the paused server).
+VLLM_KEEP_ALIVE_SECONDS = 60
+KEEP_ALIVE_VARIABLE = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+
 SourceKind = Literal["env", "alias", "config_file", "extra_args", "baked", "worker"]
 
 

@@ -33,6 +33,7 @@ from tenacity import (
 )
 
 from worker.adapters import AdapterSources, sent_model
+from worker.config import PROXY_IDLE_SECONDS
 from worker.errors import (
     BackendUnavailable,
     ConfigError,
@@ -252,7 +253,8 @@ class Proxy:
         # Created lazily: an aiohttp-backed client belongs to the loop that runs the jobs.
         if self._client is None:
             pool = self._settings.max_concurrency + 8
-            limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+            limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool,
+                                  keepalive_expiry=PROXY_IDLE_SECONDS)
             transport = self._transport
             if transport is None:
                 from httpx_aiohttp import AiohttpTransport

@@ -36,6 +36,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from worker.config import PROXY_IDLE_SECONDS
 from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
 from worker.settings import Settings
 from worker.startup import StartOutcome, Startup
@@ -152,7 +153,7 @@ class LoadBalancerWorker:
                 timeout=aiohttp.ClientTimeout(total=None, connect=10.0,
                                               sock_read=self.settings.request_timeout or None),
                 auto_decompress=False,
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=PROXY_IDLE_SECONDS),
             )
             process = self.startup.process
             if process is not None:
