@@ -238,7 +238,7 @@ class VllmProcess:
         if self._group_alive(pgid):
             logger.info("stopping vLLM (process group %d; SIGKILL after %.0f s)", pgid, grace)
             self._signal_group(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
+            deadline = began + grace
             while self._group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self._group_alive(pgid):
