@@ -145,11 +145,14 @@ def test_a_streamed_form_job_is_vllms_stream_byte_for_byte(speech: Speech) -> No
 
 def test_cancelling_a_streamed_transcription_aborts_it_in_vllm(speech: Speech) -> None:
     # No max_completion_tokens: the tiny Whisper never ends by itself (its <|endoftext|>
-    # never wins), so it would write 2044 tokens, up to its context (~17 s alone here).
+    # never wins), so it would write 2044 tokens, up to its context (~17 s alone here), and
+    # without the abort it does (the body sent as httpx's stream once did that). The cancel
+    # itself takes from 0.1 s to 5 s on 2 cores that vLLM's busy threads share with the
+    # worker and the job API: 1149 tokens were written once, so no tighter bound than 90%.
     full = 2044
     generated, streamed = cancel_after_the_first_piece(
         speech.serving, form_job(language="en", stream=True))
-    assert generated < full / 2, f"{generated:.0f} of {full} tokens generated"
+    assert generated < 0.9 * full, f"{generated:.0f} of {full} tokens generated"
     assert "[DONE]" not in streamed
     assert not speech.last_exchange().complete  # the worker closed vLLM's stream
 
