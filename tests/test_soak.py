@@ -11,6 +11,7 @@ vLLM, the second against the real CPU vLLM.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,12 @@ def assert_nothing_leaked_nor_drifted(run: SoakRun) -> None:
     # The last tenth costs what the first did (a drift that doubles it fails).
     first, last = run.tenths[0], run.tenths[-1]
     assert last.cpu_ms_per_job < 1.5 * first.cpu_ms_per_job + 0.5
-    assert latency(run, last.phase)[0] < 1.5 * latency(run, first.phase)[0] + 30
+    # Latency, the same for the last three tenths against the first three (the medians of
+    # their p50s): a drift grows over tenths, while one tenth's p50 moves on its own on 2
+    # cores shared with vLLM, the job API and the recorder (26 to 147 ms between the tenths
+    # of one run here; a last tenth's 1250 ms once in CI).
+    p50s = [round(latency(run, tenth.phase)[0]) for tenth in run.tenths]
+    assert statistics.median(p50s[-3:]) < 1.5 * statistics.median(p50s[:3]) + 30, p50s
 
 
 def test_soak_against_the_stand_in_vllm(tmp_path: Path) -> None:
