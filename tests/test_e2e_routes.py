@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,19 +216,28 @@ def metric(serving: Serving, name: str, **labels: str) -> float:
     return total
 
 
-def cancel_after_the_first_piece(serving: Serving, job_input: Any) -> tuple[float, str]:
-    """Submit a streamed job, cancel it once its first piece is in, and wait until vLLM runs
-    no request: the tokens vLLM generated for it, and the job's streamed text."""
+def cancel_after_the_first_piece(serving: Serving, job_input: Any,
+                                 streaming: Callable[[], bool] | None = None) -> tuple[float, str]:
+    """Submit a streamed job, cancel it once its first piece is in (or, with ``streaming``,
+    once that says vLLM's stream began, before the piece crossed the worker, the SDK and the
+    job API), and wait until vLLM runs no request: the tokens vLLM generated for it, and the
+    job's streamed text."""
     tokens_before = metric(serving, "vllm:generation_tokens_total")
+    submitted = time.monotonic()
     job = serving.api.submit(job_input)
-    serving.api.wait_stream(job, count=1, timeout=120)
+    if streaming is None:
+        serving.api.wait_stream(job, count=1, timeout=120)
+    while streaming is not None and not streaming():
+        assert time.monotonic() < submitted + 120, "vLLM's stream did not begin"
+        time.sleep(0.01)
     cancelled_at = time.monotonic()
     serving.api.cancel(job)
     while metric(serving, "vllm:num_requests_running") > 0:
         assert time.monotonic() < cancelled_at + 120, "vLLM still generates after the cancel"
         time.sleep(0.05)
     # /metrics itself answers slowly while vLLM is busy: the time is a figure, not a check.
-    print(f"vLLM idle {time.monotonic() - cancelled_at:.2f} s after the cancel")
+    print(f"cancelled {cancelled_at - submitted:.2f} s after the submit; vLLM idle "
+          f"{time.monotonic() - cancelled_at:.2f} s after the cancel")
     generated = metric(serving, "vllm:generation_tokens_total") - tokens_before
     return generated, "".join(serving.api.jobs[job].outputs)
 

@@ -145,13 +145,19 @@ def test_a_streamed_form_job_is_vllms_stream_byte_for_byte(speech: Speech) -> No
 
 def test_cancelling_a_streamed_transcription_aborts_it_in_vllm(speech: Speech) -> None:
     # No max_completion_tokens: the tiny Whisper never ends by itself (its <|endoftext|>
-    # never wins), so it would write 2044 tokens, up to its context (~17 s alone here), and
-    # without the abort it does (the body sent as httpx's stream once did that). The cancel
-    # itself takes from 0.1 s to 5 s on 2 cores that vLLM's busy threads share with the
-    # worker and the job API: 1149 tokens were written once, so no tighter bound than 90%.
+    # never wins), so it would write 2044 tokens, up to its context, and without the abort it
+    # does (the body sent as httpx's stream once did that). The job is cancelled once vLLM's
+    # first event crossed the recorder: waiting for the job's first piece at the job API, the
+    # cancel came after all 2044 tokens in two runs of the whole suite here (on 2 cores that
+    # vLLM's busy threads share with the worker, the SDK and the job API), and the 90% bound
+    # leaves room for a slow cancel (one took 5 s, 1149 tokens written).
     full = 2044
+
+    def vllm_streams() -> bool:  # every earlier exchange is complete
+        return any(not e.complete and b"data: " in e.body for e in speech.relay.exchanges())
+
     generated, streamed = cancel_after_the_first_piece(
-        speech.serving, form_job(language="en", stream=True))
+        speech.serving, form_job(language="en", stream=True), vllm_streams)
     assert generated < 0.9 * full, f"{generated:.0f} of {full} tokens generated"
     assert "[DONE]" not in streamed
     assert not speech.last_exchange().complete  # the worker closed vLLM's stream
