@@ -307,10 +307,22 @@ def test_max_loras_adapters_share_a_batch_the_others_wait(bed: Bed) -> None:
     for name in ("batch-1", "batch-2"):  # resolved first, so that only scheduling is seen
         bed.completion(name)
     base = f"http://127.0.0.1:{bed.env['VLLM_PORT']}"
-    waited = asyncio.run(scheduled_beside(base, "batch-1", "batch-2"))
+    waited = seen_beside(base, "batch-1", "batch-2")
     assert waited == {"running": 1, "deferred": 1}, waited  # deferred: "LoRA budget"
-    shared = asyncio.run(scheduled_beside(base, "batch-2", SERVED))
+    shared = seen_beside(base, "batch-2", SERVED)
     assert shared == {"running": 2, "deferred": 0}, shared
+
+
+def seen_beside(base: str, first: str, second: str, tries: int = 3) -> dict[str, int]:
+    """What :func:`scheduled_beside` saw, tried again when its look came too late: vLLM's API
+    server, which answers /metrics, sometimes answered nothing until the first stream ended
+    (a whole-suite run in a clean clone here), and then nothing tells how the two would have
+    shared the engine."""
+    for _ in range(tries):
+        state = asyncio.run(scheduled_beside(base, first, second))
+        if state["running"] + state["deferred"] == 2:
+            break
+    return state
 
 
 #: The first stream's tokens (the tiny model's MAX_MODEL_LEN is 512): seconds, while a second
