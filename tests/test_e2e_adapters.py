@@ -33,6 +33,7 @@ from tests.fake_job_api import FakeJobApi
 from tests.hf_cache import write_snapshot
 from tests.lb_worker import LbWorker, start_lb_worker
 from tests.test_e2e_config import answer
+from tests.test_e2e_routes import sample_sum
 from tests.worker_process import WorkerProcess, base_env
 
 pytestmark = pytest.mark.vllm
@@ -361,19 +362,11 @@ async def scheduled_beside(base: str, first: str, second: str) -> dict[str, int]
     return state
 
 
-DEFERRED = 'reason="deferred"'
-
-
 def scheduler_state(metrics: str) -> dict[str, int]:
     """The requests vLLM runs and those it defers, from its Prometheus text."""
-    state = {"running": 0, "deferred": 0}
-    for line in metrics.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith("vllm:num_requests_running{"):
-            state["running"] += int(float(value))
-        elif name.startswith("vllm:num_requests_waiting_by_reason{") and DEFERRED in name:
-            state["deferred"] += int(float(value))
-    return state
+    return {"running": int(sample_sum(metrics, "vllm:num_requests_running")),
+            "deferred": int(sample_sum(metrics, "vllm:num_requests_waiting_by_reason",
+                                       reason="deferred"))}
 
 
 # -- load-balancer mode --------------------------------------------------------------------------

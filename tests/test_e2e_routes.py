@@ -206,7 +206,11 @@ def test_invalid_job_is_rejected_with_the_field(serving: Serving) -> None:
 
 def metric(serving: Serving, name: str, **labels: str) -> float:
     """Sum of a vLLM metric's samples whose labels include ``labels``."""
-    text = httpx.get(serving.vllm_url + "/metrics", timeout=30).text
+    return sample_sum(httpx.get(serving.vllm_url + "/metrics", timeout=30).text, name, **labels)
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` in Prometheus ``text`` whose labels include ``labels``."""
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{"):
