@@ -127,6 +127,8 @@ class FakeJobApi:
         self.jobs: dict[str, JobRecord] = {}
         self.queue: list[str] = []
         self.to_stop: list[str] = []
+        self.stop_asked: dict[str, float] = {}  # job id -> when a stop was first asked
+        self.stop_sent: dict[str, float] = {}  # job id -> when a stop poll first carried it
         self.take_requests: list[float] = []
         self.health_violations: list[str] = []
         self.stop_hold = stop_hold  # how long a job-stop poll is held (None: hold)
@@ -225,6 +227,8 @@ class FakeJobApi:
     def cancel(self, *job_ids: str) -> None:
         with self._cond:
             self.to_stop.extend(job_ids)
+            for job_id in job_ids:
+                self.stop_asked.setdefault(job_id, time.monotonic())
             self._cond.notify_all()
 
     def wait_done(self, job_id: str, timeout: float = 120.0) -> JobRecord:
@@ -461,6 +465,8 @@ class FakeJobApi:
                         self._reply(204))
                     if not delivered:  # the platform signals a stop until the job stops
                         api.cancel(*stops)
+                    for job_id in stops if delivered else ():
+                        api.stop_sent.setdefault(job_id, time.monotonic())
                 else:
                     self._reply(200, {})
 

@@ -53,6 +53,7 @@ class Exchange:
     headers: dict[str, str]
     body: bytes  # de-chunked
     complete: bool  # the whole response body arrived
+    closed: float = 0.0  # when its connection closed, for a connection's last exchange
 
     def completion_id(self) -> str | None:
         """The ``id`` of a completion (the first SSE event's, or the JSON body's)."""
@@ -136,6 +137,7 @@ def _messages(data: bytes, *, responses: bool) -> list[_Message]:
 class _Connection:
     sent: _Recorded = field(default_factory=_Recorded)  # worker -> vLLM
     received: _Recorded = field(default_factory=_Recorded)  # vLLM -> worker
+    closed: float = 0.0  # when one side closed (0.0: open)
 
     def exchanges(self) -> list[Exchange]:
         requests = _messages(bytes(self.sent.data), responses=False)
@@ -152,6 +154,8 @@ class _Connection:
                 body=response.body,
                 complete=response.complete,
             ))
+        if found:
+            found[-1].closed = self.closed
         return found
 
 
@@ -211,6 +215,7 @@ class RecordingRelay:
         }
         # Either side closing closes the other: a worker abandoning a stream must reach vLLM.
         _, pending = await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        conn.closed = time.monotonic()
         for task in pending:
             task.cancel()
         for end in (writer, up_writer):

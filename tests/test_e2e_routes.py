@@ -7,6 +7,7 @@ what the platform would receive.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -240,7 +241,9 @@ def cancel_after_the_first_piece(serving: Serving, job_input: Any,
         assert time.monotonic() < cancelled_at + 120, "vLLM still generates after the cancel"
         time.sleep(0.05)
     # /metrics itself answers slowly while vLLM is busy: the time is a figure, not a check.
-    print(f"cancelled {cancelled_at - submitted:.2f} s after the submit; vLLM idle "
+    sent = serving.api.stop_sent.get(job, math.nan)
+    print(f"cancelled {cancelled_at - submitted:.2f} s after the submit; the stop reached the "
+          f"worker {sent - cancelled_at:.2f} s and vLLM was idle "
           f"{time.monotonic() - cancelled_at:.2f} s after the cancel")
     generated = metric(serving, "vllm:generation_tokens_total") - tokens_before
     return generated, "".join(serving.api.jobs[job].outputs)

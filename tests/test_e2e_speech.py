@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -163,9 +164,16 @@ def test_cancelling_a_streamed_transcription_aborts_it_in_vllm(speech: Speech) -
 
     generated, streamed = cancel_after_the_first_piece(
         speech.serving, form_job(language="en", stream=True), vllm_streams)
+    exchange, api = speech.last_exchange(), speech.serving.api
+    job = max(api.stop_asked, key=api.stop_asked.__getitem__)
+    print(f"{generated:.0f} of {full} tokens; vLLM's stream began "
+          f"{exchange.started - api.stop_asked[job]:+.2f} s from the cancel, ended "
+          f"{exchange.ended - api.stop_asked[job]:+.2f} s, its connection closed "
+          f"{exchange.closed - api.stop_asked[job]:+.2f} s; the stop reached the worker "
+          f"{api.stop_sent.get(job, math.nan) - api.stop_asked[job]:+.2f} s")
     assert generated < 0.9 * full, f"{generated:.0f} of {full} tokens generated"
     assert "[DONE]" not in streamed
-    assert not speech.last_exchange().complete  # the worker closed vLLM's stream
+    assert not exchange.complete  # the worker closed vLLM's stream
 
 
 def test_bad_form_jobs_fail_with_the_field_and_reach_no_vllm(speech: Speech) -> None:
