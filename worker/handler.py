@@ -132,6 +132,8 @@ class _SseRelay:
 
     def abandon(self, _owner: object = None) -> None:
         """Stop reading and close the response now (callable from a done-callback)."""
+        if not self._reader.done():
+            logger.debug("the job's task ended: cutting vLLM's stream")
         self._reader.cancel()
 
     async def _read(self, chunks: AsyncIterator[bytes]) -> None:
@@ -151,6 +153,9 @@ class _SseRelay:
                 self._add(buffer.decode("utf-8", errors="replace"), 1)
         except Exception as exc:  # handed to the consumer, which maps it
             self._error = exc
+        except asyncio.CancelledError:
+            logger.debug("vLLM's stream cut: closing its connection")
+            raise
         finally:
             self._finished = True
             self._wakeup.set()
