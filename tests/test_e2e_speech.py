@@ -80,9 +80,9 @@ def speech(
             worker.kill()
 
 
-def form_job(route: str = TRANSCRIPTIONS, **form: Any) -> dict[str, Any]:
+def form_job(route: str = TRANSCRIPTIONS, wav: bytes = WAV, **form: Any) -> dict[str, Any]:
     return {"route": route, "form": form, "files": {"file": {
-        "data": base64.b64encode(WAV).decode(), "filename": "sine.wav",
+        "data": base64.b64encode(wav).decode(), "filename": "sine.wav",
         "content_type": "audio/wav"}}}
 
 
@@ -166,9 +166,8 @@ def test_cancelling_a_streamed_transcription_aborts_it_in_vllm(speech: Speech) -
     def vllm_streams() -> bool:  # every earlier exchange is complete
         return any(not e.complete and b"data: " in e.body for e in speech.relay.exchanges())
 
-    job = form_job(language="en", stream=True)
-    job["files"]["file"]["data"] = base64.b64encode(LONG_WAV).decode()
-    generated, streamed = cancel_after_the_first_piece(speech.serving, job, vllm_streams)
+    generated, streamed = cancel_after_the_first_piece(
+        speech.serving, form_job(wav=LONG_WAV, language="en", stream=True), vllm_streams)
     exchange, api = speech.last_exchange(), speech.serving.api
     job_id = max(api.stop_asked, key=api.stop_asked.__getitem__)
     print(f"{generated:.0f} tokens; vLLM's stream began "
