@@ -221,12 +221,20 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class Cancelled:
+    """What :func:`cancel_after_the_first_piece` saw of a cancelled job."""
+
+    job: str
+    generated: float  # the tokens vLLM generated for it
+    streamed: str  # the job's streamed text, as the job API has it
+
+
 def cancel_after_the_first_piece(serving: Serving, job_input: Any,
-                                 streaming: Callable[[], bool] | None = None) -> tuple[float, str]:
+                                 streaming: Callable[[], bool] | None = None) -> Cancelled:
     """Submit a streamed job, cancel it once its first piece is in (or, with ``streaming``,
     once that says vLLM's stream began, before the piece crossed the worker, the SDK and the
-    job API), and wait until vLLM runs no request: the tokens vLLM generated for it, and the
-    job's streamed text."""
+    job API), and wait until vLLM runs no request."""
     tokens_before = metric(serving, "vllm:generation_tokens_total")
     submitted = time.monotonic()
     job = serving.api.submit(job_input)
@@ -246,15 +254,15 @@ def cancel_after_the_first_piece(serving: Serving, job_input: Any,
           f"worker {sent - cancelled_at:.2f} s and vLLM was idle "
           f"{time.monotonic() - cancelled_at:.2f} s after the cancel")
     generated = metric(serving, "vllm:generation_tokens_total") - tokens_before
-    return generated, "".join(serving.api.jobs[job].outputs)
+    return Cancelled(job, generated, "".join(serving.api.jobs[job].outputs))
 
 
 def test_cancelling_a_stream_aborts_the_generation(serving: Serving) -> None:
     # The tiny model makes ~20k tokens/s on two cores when alone: ask for 256k (~13 s).
     full = 128 * 2000
-    generated, streamed = cancel_after_the_first_piece(serving, {
+    cancelled = cancel_after_the_first_piece(serving, {
         "prompt": "Hello", "stream": True,
         "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 128}})
     # Without the abort vLLM runs the whole generation (seen: all of it, 12 s after the cancel).
-    assert generated < full / 2, f"{generated:.0f} of {full} tokens generated"
-    assert "[DONE]" not in streamed
+    assert cancelled.generated < full / 2, f"{cancelled.generated:.0f} of {full} tokens generated"
+    assert "[DONE]" not in cancelled.streamed
