@@ -19,6 +19,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,8 @@ def bed(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
         api.health_url = f"http://127.0.0.1:{env['VLLM_PORT']}/health"
         worker = WorkerProcess(
             [sys.executable, "-m", "worker"],
-            {**env, "ENABLE_LORA": "true", "MAX_CPU_LORAS": "2"},  # MAX_LORAS: vLLM's 1
+            {**env, "ENABLE_LORA": "true", "MAX_CPU_LORAS": "2",  # MAX_LORAS: vLLM's 1
+             "VLLM_SERVER_DEV_MODE": "1"},  # /pause and /resume, for the MAX_LORAS test
             log_path=root / "worker.log")
         try:
             yield Bed(api, hub, worker, env, loras, hub_cache)
@@ -297,42 +299,56 @@ def test_max_cpu_loras_adapters_stay_in_memory_the_others_are_read_again(bed: Be
 
 
 def test_max_loras_adapters_share_a_batch_the_others_wait(bed: Bed) -> None:
-    """MAX_LORAS=1: of two adapters' requests sent at once, one waits until the other ends,
-    while one of the base model shares the batch. What is read is vLLM's scheduler, from its
-    own metrics: how long the engine held the two requests waiting and how long it ran them,
-    timed in the engine core and read once both ended. Two earlier forms failed in CI on 2
-    cores: the order a client read two streams' events (they piled up at the seam), and the
-    running and deferred gauges read while a stream ran (vLLM's API server answered nothing
-    until the stream had ended, three times in a row)."""
+    """MAX_LORAS=1: of two adapters' requests in vLLM's queue at once, one waits until the other
+    ends, while one of the base model shares the batch. What is read is vLLM's scheduler, from
+    its own metrics: how long the engine held the two requests waiting and how long it ran
+    them, timed in the engine core and read once both ended. Both are sent while the scheduler
+    is paused (vLLM's own /pause), so that both are in its queue before either runs however
+    late a loaded machine hands them to the engine. Three earlier forms failed in CI on 2
+    cores: the order a client read two streams' events (they piled up at the seam), the running
+    and deferred gauges read while a stream ran (vLLM's API server answered nothing until the
+    stream had ended, three times in a row), and two requests sent at once unpaused (the second
+    reached the engine's queue only once the first had ended: 0.000 s queued)."""
     for name in ("batch-1", "batch-2"):  # resolved first, so that only scheduling is seen
         bed.completion(name)
     base = f"http://127.0.0.1:{bed.env['VLLM_PORT']}"
-    queued, ran = asyncio.run(queued_beside(base, "batch-1", "batch-2"))
+    deferred, ran = asyncio.run(deferred_beside(base, "batch-1", "batch-2"))
     # One request waits the other's whole run: half the run time of the two, when both run
     # alike; a fifth leaves room for one run 4 times the other's on a loaded machine.
-    assert queued > 0.2 * ran, (queued, ran)
-    queued, ran = asyncio.run(queued_beside(base, "batch-2", SERVED))
-    # Taken in at the next step of the engine (milliseconds), against seconds of running.
-    assert queued < 0.05 * ran, (queued, ran)
+    assert deferred > 0.2 * ran, (deferred, ran)
+    deferred, ran = asyncio.run(deferred_beside(base, "batch-2", SERVED))
+    # Taken in at the first step after the resume (milliseconds), against seconds of running.
+    assert deferred < 0.05 * ran, (deferred, ran)
 
 
 #: Each request's tokens (the tiny model's MAX_MODEL_LEN is 512): seconds of running on 2
 #: cores, while a request is taken in at the engine's next step.
 LONG = 480
 
-#: vLLM's histograms of the time a request waited in the scheduler's queue (deferred included)
-#: and ran (prefill and decode), both timed in the engine core.
+#: vLLM's histograms of the time a request waited in the scheduler's queue (deferred and
+#: paused included) and ran (prefill and decode), both timed in the engine core.
 QUEUE, RUN = "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds"
 
+#: Seconds the scheduler stays paused once the two requests are sent; and a bound of the queue
+#: histogram's buckets that neither may be under: both were in the engine's queue within half
+#: a second of being sent, so together before either ran, and the pause taken off each
+#: (:func:`deferred_beside`) is at most half a second more than it waited in it.
+PAUSED_FOR, QUEUED_OVER = 3.0, "2.5"
 
-async def queued_beside(base: str, first: str, second: str) -> tuple[float, float]:
-    """Seconds vLLM held a request of ``first`` and one of ``second``, sent at once, in its
-    queue, and seconds it ran them: the sums of :data:`QUEUE` and :data:`RUN` over the two."""
+
+async def deferred_beside(base: str, first: str, second: str) -> tuple[float, float]:
+    """Seconds vLLM held one of a request of ``first`` and one of ``second`` waiting after its
+    scheduler resumed with both queued, and seconds it ran the two: the sum of :data:`QUEUE`
+    less twice the pause (the most each can have waited for it), and the sum of :data:`RUN`.
+    A try where a request reached the queue too late for the pause to hold it is made again."""
     async with httpx.AsyncClient(base_url=base, timeout=300, trust_env=False) as client:
-        async def histograms() -> list[float]:
+        async def histograms() -> dict[str, float]:
             text = (await client.get("/metrics")).text
-            return [sample_sum(text, f"{name}_{part}") for name in (QUEUE, RUN)
-                    for part in ("sum", "count")]
+            return {"queued": sample_sum(text, f"{QUEUE}_sum"),
+                    "count": sample_sum(text, f"{QUEUE}_count"),
+                    "short": sample_sum(text, f"{QUEUE}_bucket", le=QUEUED_OVER),
+                    "ran": sample_sum(text, f"{RUN}_sum"),
+                    "ran_count": sample_sum(text, f"{RUN}_count")}
 
         async def complete(model: str) -> int:
             body = {"model": model, "prompt": "Count", "max_tokens": LONG, "ignore_eos": True}
@@ -340,17 +356,34 @@ async def queued_beside(base: str, first: str, second: str) -> tuple[float, floa
             assert response.status_code == 200, response.text
             return int(response.json()["usage"]["completion_tokens"])
 
-        before = await histograms()
-        assert list(await asyncio.gather(complete(first), complete(second))) == [LONG, LONG]
-        for _ in range(100):  # both observed once their answers are out; a look to be sure
-            after = await histograms()
-            if after[1] - before[1] == after[3] - before[3] == 2:
+        for _ in range(3):
+            before = await histograms()
+            paused = await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            assert paused.status_code == 200, paused.text
+            sent = time.monotonic()
+            try:
+                both = asyncio.gather(complete(first), complete(second))
+                await asyncio.sleep(PAUSED_FOR)
+            finally:
+                assert (await client.post("/resume")).status_code == 200
+            pause = time.monotonic() - sent
+            assert list(await both) == [LONG, LONG]
+            for _ in range(100):  # both observed once their answers are out; a look to be sure
+                delta = {k: v - before[k] for k, v in (await histograms()).items()}
+                if delta["count"] == delta["ran_count"] == 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert delta["count"] == delta["ran_count"] == 2, delta
+            if delta["short"] == 0:
                 break
-            await asyncio.sleep(0.1)
-        assert after[1] - before[1] == after[3] - before[3] == 2, (before, after)
-    queued, ran = after[0] - before[0], after[2] - before[2]
-    print(f"{first} and {second} at once: queued {queued:.3f} s, ran {ran:.3f} s")
-    return queued, ran
+            print(f"{first} and {second}: one queued under {QUEUED_OVER} s of a {pause:.1f} s "
+                  "pause, taken in late; again")
+        else:
+            pytest.fail(f"a request of {first} or {second} reached vLLM's queue late 3 times")
+    deferred = delta["queued"] - 2 * pause
+    print(f"{first} and {second} queued together: paused {pause:.3f} s, queued "
+          f"{delta['queued']:.3f} s, deferred {deferred:.3f} s, ran {delta['ran']:.3f} s")
+    return deferred, delta["ran"]
 
 
 # -- load-balancer mode --------------------------------------------------------------------------
