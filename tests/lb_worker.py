@@ -6,7 +6,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,19 @@ class Tap:
         self.port: int = self._listener.getsockname()[1]
         self.received: list[bytearray] = []
         self._lock = threading.Lock()
+        self._die: Callable[[], None] | None = None
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def die_after_first_chunk(self, die: Callable[[], None]) -> None:
+        """Cut the next response after its head and first chunk: pass those on, call ``die``
+        (the test kills vLLM there), then pass nothing more and close both sides.
+
+        The worker sees vLLM die one event into a stream however far vLLM got before the kill
+        landed: a client's first chunk may reach the test only once vLLM's whole stream is
+        written, on a machine where a process stands still for seconds.
+        """
+        with self._lock:
+            self._die = die
 
     def _accept(self) -> None:
         import socket
@@ -136,13 +148,27 @@ class Tap:
             threading.Thread(target=self._pump, args=(upstream, client, record),
                              daemon=True).start()
 
-    @staticmethod
-    def _pump(source: Any, target: Any, record: bytearray | None) -> None:
+    def _pump(self, source: Any, target: Any, record: bytearray | None) -> None:
+        held = bytearray()  # of a response to cut (die_after_first_chunk), until its first chunk
         try:
             while data := source.recv(65536):
-                if record is not None:
-                    record += data
-                target.sendall(data)
+                if record is None:
+                    target.sendall(data)
+                    continue
+                record += data
+                with self._lock:
+                    die = self._die
+                if die is None:
+                    target.sendall(data)
+                    continue
+                held += data
+                if (end := first_chunk_end(bytes(held))) is None:
+                    continue
+                with self._lock:
+                    self._die = None
+                target.sendall(held[:end])
+                die()
+                return
         except OSError:
             pass
         finally:
@@ -176,6 +202,17 @@ def responses(data: bytes) -> list[tuple[bytes, bytes]]:
             body, data = data[:length], data[length:]
         found.append((head, body))
     return found
+
+
+def first_chunk_end(data: bytes) -> int | None:
+    """Where the head and the first chunk of a chunked HTTP/1.1 response at the start of
+    ``data`` end; None until both are in."""
+    head_end = data.find(b"\r\n\r\n")
+    size_end = data.find(b"\r\n", head_end + 4) if head_end >= 0 else -1
+    if size_end < 0:
+        return None
+    end = size_end + 2 + int(data[head_end + 4:size_end].split(b";")[0], 16) + 2
+    return end if len(data) >= end else None
 
 
 def dechunk(data: bytes) -> tuple[bytes, bytes]:

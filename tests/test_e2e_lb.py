@@ -89,18 +89,17 @@ def test_health_clients_and_the_relayed_stream_then_vllms_death(
     relayed = httpx.post(f"{lb.url}/v1/completions", json=body, timeout=60).content
     assert relayed.endswith(b"data: [DONE]\n\n")
     assert relayed == tap.response_body(b"text/event-stream")
-    tap.close()
 
     # vLLM dies mid-stream: the stream ends with an error event, health turns 503, exit 1.
+    # The tap kills vLLM once its first event is through, and lets nothing after it through.
     [pid] = lb.worker.vllm_pids()
-    received = bytearray()
-    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=60, json={
-            **body, "max_tokens": 400}) as response:
-        for chunk in response.iter_raw():
-            if not received and chunk:
-                os.killpg(pid, signal.SIGKILL)  # the first piece is in: vLLM dies
-            received += chunk
-    last = [e for e in bytes(received).split(b"\n\n") if e][-1]
+    tap.die_after_first_chunk(lambda: os.killpg(pid, signal.SIGKILL))
+    received = httpx.post(f"{lb.url}/v1/completions", timeout=60,
+                          json={**body, "max_tokens": 400}).content
+    tap.close()
+    cut = [e for e in received.split(b"\n\n") if e]  # vLLM's first event, then the worker's
+    assert len(cut) == 2 and json.loads(cut[0].removeprefix(b"data: "))["choices"], cut
+    last = cut[-1]
     error: dict[str, Any] = json.loads(last.removeprefix(b"data: "))["error"]
     assert error["type"] == "backend_unavailable" and "vLLM exited" in error["message"]
     assert lb.worker.wait(30) == 1
