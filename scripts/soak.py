@@ -13,8 +13,8 @@ against the real CPU vLLM (``--real-jobs`` small jobs, streams and cancellations
 and checks every job against its plan (tests/soak.py says how). It prints what it met:
 faults by type, end states, results and stream POSTs lost by cause, the worker's RSS,
 descriptors, live asyncio tasks, Python memory blocks and connections (to vLLM, to the job
-API) after the warm-up, after each tenth and idle after the run, and its CPU per job and
-added latency (p50/p99) in the first and the last tenth.
+API) after the warm-up, after each tenth and idle after the run, and its CPU (per job and
+per job API request) and added latency (p50/p99) in the first and the last tenth.
 
 The exit code is 1 when a job ended in an undocumented state, its bytes differ from what
 vLLM sent, or the worker logged a traceback; figures never fail the run (the shortened soak
@@ -65,6 +65,7 @@ def summary(run: SoakRun) -> dict[str, Any]:
         "problems": tally.problems,
         "points": [point(p) for p in [run.baseline, *(t.point for t in run.tenths), run.final]],
         "tenths": {str(t.phase): {"cpu_ms_per_job": round(t.cpu_ms_per_job, 3),
+                                  "cpu_ms_per_request": round(t.cpu_ms_per_request, 3),
                                   "latency_ms": [round(v, 1) for v in latency(run, t.phase)]}
                    for t in (first, last)},
     }

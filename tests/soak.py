@@ -154,11 +154,19 @@ class Tenth:
     jobs: int
     seconds: float
     cpu_s: float
+    #: The job API requests of the tenth's jobs: each take that handed one out and each
+    #: job-stream and job-done attempt, retries included. The worker's CPU follows them
+    #: rather than the jobs: a stream sent one event a POST costs dozens of requests.
+    requests: int
     point: Point
 
     @property
     def cpu_ms_per_job(self) -> float:
         return 1000 * self.cpu_s / self.jobs
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.cpu_s / self.requests if self.requests else float("nan")
 
 
 @dataclass
@@ -229,8 +237,9 @@ def run_tenths(api: FakeJobApi, worker: Worker, mix: Mix, *, jobs: int, warmup: 
     for phase in range(1, 11):
         batch = mix.plans(jobs // 10, phase)
         plans += batch
-        _, seconds, cpu = run_phase(api, worker, batch, restart, restarts_per_tenth)
-        tenths.append(Tenth(phase, len(batch), seconds, cpu,
+        ids, seconds, cpu = run_phase(api, worker, batch, restart, restarts_per_tenth)
+        requests = sum(len(api.jobs[i].attempts) for i in ids)
+        tenths.append(Tenth(phase, len(batch), seconds, cpu, requests,
                             worker.point(f"tenth {phase}", len(plans))))
         echo(f"tenth {phase}: {len(batch)} jobs in {seconds:.1f} s; {tenths[-1].point.row()}")
     echo(f"settling {worker.settle():.1f} s")
@@ -396,14 +405,16 @@ def figures(run: SoakRun) -> str:
     lines.append(f"requests still running in vLLM after the run: {run.backend_active_after:g}")
     lines.append(f"problems: {len(tally.problems)}")
     lines.extend(f"  PROBLEM {problem}" for problem in tally.problems[:20])
-    lines.append(f"{POINT_HEADER}  {'CPU ms/job':>10} {'p50 ms':>7} {'p99 ms':>7} {'jobs/s':>6}")
+    lines.append(f"{POINT_HEADER}  {'CPU ms/job':>10} {'/request':>8} {'p50 ms':>7} {'p99 ms':>7} "
+                 f"{'jobs/s':>6}")
     lines.append(run.baseline.row())
     for tenth in run.tenths:
         p50, p99, _ = latency(run, tenth.phase)
-        lines.append(f"{tenth.point.row()}  {tenth.cpu_ms_per_job:10.2f} {p50:7.1f} {p99:7.1f} "
+        lines.append(f"{tenth.point.row()}  {tenth.cpu_ms_per_job:10.2f} "
+                     f"{tenth.cpu_ms_per_request:8.2f} {p50:7.1f} {p99:7.1f} "
                      f"{tenth.jobs / tenth.seconds:6.1f}")
     lines.append(run.final.row())
     lines.append("(after the warm-up, after each tenth, idle after the run; CPU is the worker's "
-                 "own; latency is what the worker and the SDK's loop add to vLLM's time, p50/p99 "
-                 "of the clean jobs of the tenth)")
+                 "own, per job and per job API request; latency is what the worker and the SDK's "
+                 "loop add to vLLM's time, p50/p99 of the clean jobs of the tenth)")
     return "\n".join(lines)
