@@ -7,12 +7,16 @@ A request body may carry ``"fake": {...}`` to steer the answer:
 two pieces cut inside a multi-byte character), ``status`` (answer with this HTTP error),
 ``stall`` (s to wait before answering; with ``stall_after`` N, after the Nth event of a
 stream instead), ``reset`` (close the connection with a TCP reset instead of answering),
-``reset_after`` N (a stream: reset after N events).
+``reset_after`` N (a stream: reset after N events), ``drop_next`` (answer, then reset the
+next request that comes on the same connection before reading it: what vLLM's uvicorn does
+after an exception escaped a route, which it answers 500 and logs before it closes the
+connection the client has put back in its pool).
 
 Faults of the server itself, for the soak: ``POST /fake/listener {"down": S}`` restarts the
 listener: for S seconds new connections are refused, idle keep-alive connections are
 closed at once and those serving a request after it. ``/metrics`` counts the requests and
-streams in progress (``fake_active_requests``, ``fake_active_streams``).
+streams in progress (``fake_active_requests``, ``fake_active_streams``) and the requests
+``drop_next`` reset (``fake_dropped_requests``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class FakeOpenAI:
         self._host = "127.0.0.1"
         self.port = 0  # 0 until started: then the port it listens on
         self._restarts: set[asyncio.Task[None]] = set()
+        self._dropping: set[object] = set()  # transports whose next request is reset
+        self.dropped = 0  # requests reset by ``drop_next``
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> FakeOpenAI:
@@ -115,7 +121,8 @@ class FakeOpenAI:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=f"fake_active_streams {self.active_streams}\n"
-                                 f"fake_active_requests {self.active_requests}\n",
+                                 f"fake_active_requests {self.active_requests}\n"
+                                 f"fake_dropped_requests {self.dropped}\n",
                             content_type="text/plain")
 
     async def _restart_listener(self, request: web.Request) -> web.Response:
@@ -157,9 +164,16 @@ class FakeOpenAI:
             self.active_requests -= 1
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if request.transport in self._dropping:
+            self._dropping.discard(request.transport)
+            self.requests.append({"dropped": True})
+            self.dropped += 1
+            return _reset(request)
         body = await request.json()
         self.requests.append(body)
         fake = body.get("fake") or {}
+        if fake.get("drop_next"):
+            self._dropping.add(request.transport)
         if fake.get("stall") and fake.get("stall_after") is None:
             await asyncio.sleep(fake["stall"])
         if fake.get("reset"):

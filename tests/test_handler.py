@@ -167,6 +167,34 @@ async def test_unreachable_backend_is_backend_unavailable() -> None:
     assert error["type"] == "backend_unavailable" and error["code"] == 503
 
 
+async def test_a_connection_vllm_closes_after_a_500_costs_the_next_job_nothing(
+    proxy: Proxy, backend: FakeOpenAI
+) -> None:
+    """vLLM's uvicorn answers 500 to an exception a route let escape (the LoRA resolver's
+    for a repo the Hub does not have, in a clean-clone run here), logs it, and only then
+    closes that connection: the next job, sent on it from the pool meanwhile, was reset and
+    failed as backend_unavailable. It is sent again, once, on another connection."""
+    first = await run(proxy, {"openai_route": "/v1/completions", "openai_input": {
+        "prompt": "x", "fake": {"status": 500, "drop_next": True}}})
+    assert error_of(first)["code"] == 500
+    before = len(backend.requests)
+    second = await run(proxy, {"prompt": "Hi"})
+    assert backend.requests[before] == {"dropped": True}  # the reset, on the pooled connection
+    assert len(backend.requests) == before + 2 and backend.requests[-1]["prompt"] == "Hi"
+    assert second[0]["echo"]["prompt"] == "Hi"
+
+
+async def test_a_request_vllm_resets_unanswered_twice_is_backend_unavailable(
+    proxy: Proxy, backend: FakeOpenAI
+) -> None:
+    """Sent again once only: a second reset is the job's error."""
+    before = len(backend.requests)
+    items = await run(proxy, {"prompt": "x", "sampling_params": {"fake": {"reset": True}}})
+    error = error_of(items)
+    assert error["type"] == "backend_unavailable" and "reset" in error["message"], error
+    assert len(backend.requests) == before + 2
+
+
 async def test_cancelling_the_job_closes_the_request(proxy: Proxy, backend: FakeOpenAI) -> None:
     async def consume() -> None:
         async for _ in proxy.handle({"id": "c", "input": {

@@ -78,6 +78,23 @@ def _is_connect_failure(exc: BaseException) -> bool:
     return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
 
 
+def _is_closed_unanswered(exc: BaseException) -> bool:
+    """True when vLLM closed the connection before its answer began (the send fails only
+    before the head: the body is read later).
+
+    A live vLLM does so only to a connection it was closing: uvicorn answers 500 to a route's
+    unhandled exception, logs it, then closes that connection, which the client may have
+    taken from its pool for the next request meanwhile. That request was never read, so
+    sending it again once is safe; a vLLM known dead is not sent to again (``_send``).
+    """
+    cause = exc.__cause__
+    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
+        return isinstance(cause, aiohttp.ServerDisconnectedError) or (
+            isinstance(cause, aiohttp.ClientOSError)
+            and not isinstance(cause, aiohttp.ClientConnectorError))
+    return isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError)
+
+
 def _is_read_timeout(exc: BaseException) -> bool:
     cause = exc.__cause__
     if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
@@ -372,16 +389,20 @@ class Proxy:
             await response.aclose()
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
-        """Send with the body streamed back lazily; retry only connects that never landed."""
+        """Send with the body streamed back lazily; sent again only when vLLM cannot have
+        read it: a connect that never landed, or a pooled connection vLLM closed unanswered."""
         client = self._get_client()
         try:
             try:
                 return await client.send(request, stream=True)
             except httpx.HTTPError as exc:
-                if self._dead_reason is not None or not _is_connect_failure(exc):
+                if self._dead_reason is not None or not (
+                        _is_connect_failure(exc) or _is_closed_unanswered(exc)):
                     raise
             # vLLM may be restarting its listener: a few quick retries (built only now,
-            # as the retrier costs more than the request itself on the happy path).
+            # as the retrier costs more than the request itself on the happy path). The
+            # first is at once, on another connection; only a failed connect is retried
+            # after it.
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(
                     lambda exc: self._dead_reason is None and _is_connect_failure(exc)
