@@ -62,7 +62,6 @@ class FakeOpenAI:
         self.port = 0  # 0 until started: then the port it listens on
         self._restarts: set[asyncio.Task[None]] = set()
         self._dropping: set[object] = set()  # transports whose next request is reset
-        self.dropped = 0  # requests reset by ``drop_next``
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> FakeOpenAI:
@@ -120,9 +119,10 @@ class FakeOpenAI:
         return web.json_response({"object": "list", "data": [{"id": self.model}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        dropped = sum(1 for body in self.requests if isinstance(body, dict) and body.get("dropped"))
         return web.Response(text=f"fake_active_streams {self.active_streams}\n"
                                  f"fake_active_requests {self.active_requests}\n"
-                                 f"fake_dropped_requests {self.dropped}\n",
+                                 f"fake_dropped_requests {dropped}\n",
                             content_type="text/plain")
 
     async def _restart_listener(self, request: web.Request) -> web.Response:
@@ -167,7 +167,6 @@ class FakeOpenAI:
         if request.transport in self._dropping:
             self._dropping.discard(request.transport)
             self.requests.append({"dropped": True})
-            self.dropped += 1
             return _reset(request)
         body = await request.json()
         self.requests.append(body)

@@ -66,14 +66,19 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-def _is_connect_failure(exc: BaseException) -> bool:
-    """True when the request never reached vLLM, so sending it again is safe.
+def _aiohttp_cause(exc: BaseException) -> BaseException | None:
+    """aiohttp's own error under httpx's, or None (another transport, as in tests).
 
     httpx-aiohttp maps aiohttp's errors loosely (a refused connection arrives as
-    ``ConnectTimeout``, a mid-response disconnect too), so look at the original cause.
+    ``ConnectTimeout``, a mid-response disconnect too), so the predicates below read it.
     """
     cause = exc.__cause__
-    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
+    return cause if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError) else None
+
+
+def _is_connect_failure(exc: BaseException) -> bool:
+    """True when the request never reached vLLM, so sending it again is safe."""
+    if (cause := _aiohttp_cause(exc)) is not None:
         return isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
     return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
 
@@ -87,8 +92,7 @@ def _is_closed_unanswered(exc: BaseException) -> bool:
     taken from its pool for the next request meanwhile. That request was never read, so
     sending it again once is safe; a vLLM known dead is not sent to again (``_send``).
     """
-    cause = exc.__cause__
-    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
+    if (cause := _aiohttp_cause(exc)) is not None:
         return isinstance(cause, aiohttp.ServerDisconnectedError) or (
             isinstance(cause, aiohttp.ClientOSError)
             and not isinstance(cause, aiohttp.ClientConnectorError))
@@ -96,8 +100,7 @@ def _is_closed_unanswered(exc: BaseException) -> bool:
 
 
 def _is_read_timeout(exc: BaseException) -> bool:
-    cause = exc.__cause__
-    if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError):
+    if (cause := _aiohttp_cause(exc)) is not None:
         return isinstance(cause, aiohttp.ServerTimeoutError) and not isinstance(
             cause, aiohttp.ConnectionTimeoutError
         )
