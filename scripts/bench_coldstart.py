@@ -3,6 +3,11 @@
 What a serverless user pays for is the time between a worker starting and its first job
 answered. vLLM's own load dominates; this measures what the worker adds around it:
 
+0. The command, before any vLLM (also alone with ``--command``, which needs no vLLM): in
+   fresh interpreters, the worker's imports, its packaged flag catalog loaded and
+   ``build_command`` (what tests/test_command.py checks imports nothing but the standard
+   library), and ``python -m worker --dry-run``, each beside a bare ``python -c pass`` (the
+   floor) run in the same rounds; medians of ``--command-runs``.
 1. launch → vLLM healthy, and vLLM healthy → first job taken (the worker's own overhead;
    goal ≤ 0.2 s). A job is queued before the worker starts, as on the platform.
 2. vLLM's exit on a start that cannot work (MAX_MODEL_LEN too large) → the job answered
@@ -23,13 +28,15 @@ answered. vLLM's own load dominates; this measures what the worker adds around i
    c. no model in the cache and the Hub refusing connections: bare vLLM's exit, and the worker's
       answer to a queued job (``hub_unreachable``, at the default HUB_RETRY_TIMEOUT).
 
-Prints figures only; nothing here fails on speed. Needs scripts/setup.sh to have run.
+Prints figures only; nothing here fails on speed. Needs scripts/setup.sh to have run (but for
+``--command``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,6 +156,34 @@ def show(title: str, figures: dict[str, float], goals: dict[str, str]) -> None:
         print(f"  {name:<38} {seconds * 1000:9.0f} ms  {goal}")
 
 
+# -- the command, before vLLM -------------------------------------------------------------------
+BUILD = (
+    "from worker.command import build_command\n"
+    "from worker.flags import FlagCatalog, packaged_catalog_path\n"
+    "catalog = FlagCatalog.load(packaged_catalog_path())\n"
+    "env = {'MODEL_NAME': 'org/m', 'MAX_MODEL_LEN': '4096', 'ENFORCE_EAGER': 'true'}\n"
+    "build_command(env, catalog, file_exists=lambda p: False)\n"
+)
+
+
+def command_figures(runs: int) -> None:
+    dry_env = {**os.environ, "MODEL_NAME": "Qwen/Qwen3-0.6B", "MAX_MODEL_LEN": "4096"}
+    variants: dict[str, tuple[list[str], dict[str, str]]] = {
+        "python -c pass (the floor)": ([sys.executable, "-c", "pass"], dict(os.environ)),
+        "import + catalog + build_command": ([sys.executable, "-c", BUILD], dict(os.environ)),
+        "python -m worker --dry-run": ([sys.executable, "-m", "worker", "--dry-run"], dry_env),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(runs):  # interleaved: drift on the machine hits all alike
+        for name, (argv, env) in variants.items():
+            started = time.perf_counter()
+            subprocess.run(argv, env=env, cwd=ROOT, check=True, capture_output=True)
+            times[name].append(time.perf_counter() - started)
+    print(f"the command before vLLM, fresh interpreters (median of {runs})")
+    for name, seconds in times.items():
+        print(f"  {name:<38} {statistics.median(seconds) * 1000:9.0f} ms")
+
+
 # -- from a Hub ------------------------------------------------------------------------------
 def hub_env(scratch: Path, port: int, endpoint: str, home: Path) -> dict[str, str]:
     env = {**base_env(scratch, port), "MODEL_NAME": REPO, "HF_ENDPOINT": endpoint,
@@ -265,7 +300,13 @@ def main() -> int:
     parser.add_argument("--compile-cache", action="store_true")
     parser.add_argument("--hub", action="store_true", help="only the starts from a Hub (4)")
     parser.add_argument("--hub-weights-mib", type=int, default=48)
+    parser.add_argument("--command", action="store_true",
+                        help="only the command before vLLM (0); needs no vLLM")
+    parser.add_argument("--command-runs", type=int, default=5)
     args = parser.parse_args()
+    if args.command:
+        command_figures(args.command_runs)
+        return 0
     if args.hub:
         with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
             hub_starts(Path(tmp), args.runs, args.hub_weights_mib)
@@ -273,6 +314,7 @@ def main() -> int:
         return 0
     goals = {"healthy → first job taken": "(goal ≤ 200 ms)",
              "vLLM exit → startup_error answered": "(goal ≤ 500 ms)"}
+    command_figures(args.command_runs)
     with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
         scratch = Path(tmp)
         for run in range(1, args.runs + 1):

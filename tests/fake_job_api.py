@@ -144,6 +144,7 @@ class FakeJobApi:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._connections: dict[socket.socket, bool] = {}  # open connection -> busy
         self._down = False
+        self._back = threading.Event()  # ends a refusal before its seconds are up
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -154,6 +155,7 @@ class FakeJobApi:
     def __exit__(self, *exc: object) -> None:
         with self._cond:
             self._closed = True
+            self._back.set()  # a refusal in progress ends now
             while self._down:  # a listener restart in progress
                 self._cond.wait()
         self._server.shutdown()
@@ -174,7 +176,15 @@ class FakeJobApi:
             if self._down or self._closed:
                 return
             self._down = True
+            self._back.clear()
         threading.Thread(target=self._restart, args=(seconds,), daemon=True).start()
+
+    def accept_connections(self, timeout: float = 60.0) -> None:
+        """End a refusal now: return once the listener is back (at once if none)."""
+        with self._cond:
+            self._back.set()
+            if not self._cond.wait_for(lambda: not self._down, timeout):
+                raise AssertionError(f"the job API's listener was not back after {timeout} s")
 
     def _restart(self, seconds: float) -> None:
         started = time.monotonic()
@@ -189,7 +199,7 @@ class FakeJobApi:
         for conn in idle:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        time.sleep(seconds)
+        self._back.wait(seconds)
         self._server = _QuietServer(("127.0.0.1", self._port), self._handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -270,7 +280,7 @@ class FakeJobApi:
         if self.health_url is None or len(self.take_requests) != 1:
             return
         try:
-            with urllib.request.urlopen(self.health_url, timeout=2) as response:
+            with urllib.request.urlopen(self.health_url, timeout=60) as response:
                 healthy = response.status == 200
         except (urllib.error.URLError, OSError):
             healthy = False

@@ -10,7 +10,10 @@ stream instead), ``reset`` (close the connection with a TCP reset instead of ans
 ``reset_after`` N (a stream: reset after N events), ``drop_next`` (answer, then reset the
 next request that comes on the same connection before reading it: what vLLM's uvicorn does
 after an exception escaped a route, which it answers 500 and logs before it closes the
-connection the client has put back in its pool).
+connection the client has put back in its pool), ``hold_after`` N (a stream: after N events,
+send nothing more until the test releases it, :meth:`FakeOpenAI.release` or ``POST
+/fake/release``; at most :data:`HOLD_LIMIT` s, for a test whose release never comes).
+Each hold's end is kept in :attr:`FakeOpenAI.holds`: ``"released"`` or ``"limit"``.
 
 Faults of the server itself, for the soak: ``POST /fake/listener {"down": S}`` restarts the
 listener: for S seconds new connections are refused, idle keep-alive connections are
@@ -31,6 +34,9 @@ from typing import Any
 from aiohttp import web
 
 TEXT = "héllo 中文 🙂 "  # 1-, 2-, 3- and 4-byte UTF-8 characters
+#: The longest a stream waits at its ``hold_after`` (and a release for a stream to hold): a
+#: bound for a test whose release never comes, not a pace.
+HOLD_LIMIT = 120.0
 
 
 def sse_event(index: int, model: str) -> bytes:
@@ -62,6 +68,9 @@ class FakeOpenAI:
         self.port = 0  # 0 until started: then the port it listens on
         self._restarts: set[asyncio.Task[None]] = set()
         self._dropping: set[object] = set()  # transports whose next request is reset
+        self._held: list[asyncio.Event] = []  # streams waiting at their hold_after
+        self.holds: list[str] = []  # how each hold ended: "released" or "limit"
+        self._hold_begun = asyncio.Event()  # set while a stream is held
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> FakeOpenAI:
@@ -77,6 +86,13 @@ class FakeOpenAI:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def release(self, pause: float = 0.0) -> int:
+        """Let held streams go on: wait until one is held (a stream may still be on its way
+        to its hold), hold it ``pause`` s more, then release every stream held. Returns how
+        many it released. Callable from any thread but the fake's own."""
+        future = asyncio.run_coroutine_threadsafe(self._release(pause), self._loop)
+        return future.result(HOLD_LIMIT + pause + 10)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -94,6 +110,7 @@ class FakeOpenAI:
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_route("*", "/echo", self._echo)
         app.router.add_post("/fake/listener", self._restart_listener)
+        app.router.add_post("/fake/release", self._release_route)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await self._listen()
@@ -147,6 +164,39 @@ class FakeOpenAI:
         await asyncio.sleep(down)
         await self._listen()
 
+    async def _release_route(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        released = await self._release(float(body.get("pause", 0.0)))
+        return web.json_response({"released": released})
+
+    async def _release(self, pause: float) -> int:
+        try:
+            await asyncio.wait_for(self._hold_begun.wait(), HOLD_LIMIT)
+        except TimeoutError:
+            return 0
+        if pause:
+            await asyncio.sleep(pause)
+        held, self._held = self._held, []
+        self._hold_begun.clear()
+        for release in held:
+            release.set()
+        return len(held)
+
+    async def _hold(self) -> None:
+        release = asyncio.Event()
+        self._held.append(release)
+        self._hold_begun.set()
+        try:
+            await asyncio.wait_for(release.wait(), HOLD_LIMIT)
+            self.holds.append("released")
+        except TimeoutError:
+            self.holds.append("limit")
+        finally:
+            if release in self._held:
+                self._held.remove(release)
+            if not self._held:
+                self._hold_begun.clear()
+
     async def _echo(self, request: web.Request) -> web.Response:
         self.active_requests += 1
         try:
@@ -195,6 +245,8 @@ class FakeOpenAI:
         try:
             await response.prepare(request)
             for index in range(int(fake.get("events", 8))):
+                if index == fake.get("hold_after"):
+                    await self._hold()
                 if index == fake.get("stall_after"):
                     await asyncio.sleep(fake["stall"])
                 if index == fake.get("reset_after"):

@@ -292,49 +292,97 @@ def test_a_non_loopback_backend_is_refused() -> None:
 
 
 # -- the time bound of a batch (DEFAULT_MAX_BATCH_DELAY / max_batch_delay) -------------------
-async def timed_yields(proxy: Proxy, **batching: float) -> tuple[list[str], list[float]]:
-    """A stream of 60 events 40 ms apart (a reader's pace), read as the SDK reads it."""
-    loop = asyncio.get_running_loop()
-    items, times = [], []
-    async for item in proxy.handle({"id": "t", "input": {
-        "openai_route": "/v1/completions",
-        "openai_input": {"prompt": "x", "stream": True, "fake": {"events": 60, "delay": 0.04}},
-        **batching,
-    }}):
-        items.append(item)
-        times.append(loop.time())
-    return items, times
+# The backend sends HELD events, then holds its stream (no event, no end) until the test
+# releases it: what a relay yields meanwhile was flushed by the delay, as no batch of 50 can
+# fill and the stream cannot end. The figures (the largest gap between yields at a reader's
+# pace, with and without the delay) are scripts/bench_proxy.py's section 6.
+HELD = 5
+FULL = 50  # every batch's target: min_batch_size = max_batch_size = 50
+# How long the backend keeps holding, once held, where nothing should come: past the 0.2 s
+# delays below. It only makes the wait meaningful: no result depends on it.
+PAUSE = 0.5
 
 
-def largest_gap(times: list[float]) -> float:
-    return max(later - earlier for earlier, later in itertools.pairwise(times))
+def events_in(items: list[str]) -> list[int]:
+    return [item.count("\n\n") for item in items]
 
 
-async def test_a_slow_stream_is_yielded_within_the_delay(proxy: Proxy) -> None:
-    items, times = await timed_yields(proxy, max_batch_size=50, max_batch_delay=0.2)
+async def stalled_stream(
+    proxy: Proxy, backend: FakeOpenAI, *, flush_expected: bool, **batching: float
+) -> tuple[list[str], list[str]]:
+    """A 60-event stream held by the backend after its first HELD events, read as the SDK
+    reads it. Returns the yields and how the backend's hold ended.
+
+    ``flush_expected``: the test releases the backend once the HELD events were yielded (so
+    the stream goes on only if the relay yielded them while it was held); otherwise the
+    backend holds its stream PAUSE s more, then goes on by itself.
+    """
+    holds_before = len(backend.holds)
+    items: list[str] = []
+    releaser = None if flush_expected else asyncio.create_task(
+        asyncio.to_thread(backend.release, PAUSE))
+    try:
+        async for item in proxy.handle({"id": "t", "input": {
+            "openai_route": "/v1/completions",
+            "openai_input": {"prompt": "x", "stream": True,
+                             "fake": {"events": 60, "hold_after": HELD}},
+            "min_batch_size": FULL, "max_batch_size": FULL, **batching,
+        }}):
+            items.append(item)
+            if flush_expected and sum(events_in(items)) == HELD:
+                assert await asyncio.to_thread(backend.release) == 1
+    finally:
+        if releaser is not None:
+            assert await releaser == 1
     assert "".join(items).encode() == expected_stream(60)
-    gap = largest_gap(times)
-    print(f"max_batch_delay 0.2 s: {len(items)} yields, largest gap {gap:.2f} s")
-    # 0.2 s plus one event's 40 ms, with room for a loaded machine: not the 1.1 s a full
-    # batch of 27 events takes at this pace.
-    assert gap < 0.6 and len(items) >= 8
+    return items, backend.holds[holds_before:]
 
 
-async def test_without_a_delay_a_slow_stream_waits_for_full_batches(proxy: Proxy) -> None:
-    items, times = await timed_yields(proxy, max_batch_size=50, max_batch_delay=0)
-    assert "".join(items).encode() == expected_stream(60)
-    gap = largest_gap(times)
-    print(f"max_batch_delay 0: {len(items)} yields, largest gap {gap:.2f} s")
-    assert gap > 0.9 and len(items) <= 5  # 1, 3, 9, 27 (≈ 1.1 s at this pace), the rest
+def flushed_while_held(items: list[str], holds: list[str]) -> None:
+    sizes = events_in(items)
+    assert holds == ["released"], (
+        f"the backend's hold ended by {holds}: the relay never yielded the {HELD} events "
+        f"sent before the stream stalled (yields of {sizes} events)")
+    # The backend sent nothing past HELD before the test released it, on seeing them.
+    assert HELD in itertools.accumulate(sizes), sizes
+
+
+def kept_for_a_full_batch(items: list[str], holds: list[str]) -> None:
+    sizes = events_in(items)
+    assert holds == ["released"]
+    # Nothing came while the stream was held: its HELD events went out with the next ones,
+    # in a full batch (a yield while held could hold HELD events at most).
+    assert sizes[0] >= FULL and all(size >= FULL for size in sizes[:-1]), sizes
+
+
+async def test_a_stalled_stream_is_yielded_by_the_delay(
+    proxy: Proxy, backend: FakeOpenAI
+) -> None:
+    items, holds = await stalled_stream(proxy, backend, flush_expected=True,
+                                        max_batch_delay=0.2)
+    flushed_while_held(items, holds)
+
+
+async def test_without_a_delay_a_slow_stream_waits_for_full_batches(
+    proxy: Proxy, backend: FakeOpenAI
+) -> None:
+    items, holds = await stalled_stream(proxy, backend, flush_expected=False,
+                                        max_batch_delay=0)
+    kept_for_a_full_batch(items, holds)
 
 
 async def test_the_delay_default_comes_from_the_settings(backend: FakeOpenAI) -> None:
-    slow = Proxy(Settings(vllm_base_url=backend.url, default_max_batch_delay=0.2))
-    try:
-        _, times = await timed_yields(slow, max_batch_size=50)
-    finally:
-        await slow.aclose()
-    assert largest_gap(times) < 0.6
+    # The job names no delay: DEFAULT_MAX_BATCH_DELAY decides, 0.2 s then 0.
+    for delay, flush_expected in ((0.2, True), (0.0, False)):
+        proxy = Proxy(Settings(vllm_base_url=backend.url, default_max_batch_delay=delay))
+        try:
+            items, holds = await stalled_stream(proxy, backend, flush_expected=flush_expected)
+        finally:
+            await proxy.aclose()
+        if flush_expected:
+            flushed_while_held(items, holds)
+        else:
+            kept_for_a_full_batch(items, holds)
 
 
 async def test_a_negative_delay_is_an_invalid_request(proxy: Proxy) -> None:

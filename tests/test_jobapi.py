@@ -8,7 +8,9 @@ request never left), a request that was sent is never repeated.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -38,11 +40,15 @@ async def send_done(session: aiohttp.ClientSession, api: FakeJobApi, job_id: str
                                  done_url(api), "Results sent.", is_stream=True)
 
 
-def refuse_now(api: FakeJobApi, seconds: float) -> None:
+#: A refusal that lasts until the test ends it (``accept_connections``, or the fixture's end).
+UNTIL_ENDED = 600.0
+
+
+def refuse_now(api: FakeJobApi, seconds: float = UNTIL_ENDED) -> None:
     """Restart the API's listener and return once connections are refused."""
     api.refuse_connections(seconds)
     host, port = api.url.rsplit("/", 1)[1].split(":")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
@@ -66,26 +72,53 @@ async def test_the_session_is_the_sdks_but_for_its_connector() -> None:
         await sdks.close()
 
 
+class _Logged(logging.Handler):
+    """Sets ``seen`` at the first record of ``worker.jobapi`` that holds ``words``."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words, self.seen = words, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.seen.set()
+
+
+def connect_failures(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The pause announced by each failed connect, in order."""
+    return [float(re.findall(r"trying again in ([0-9.]+) s", record.getMessage())[0])
+            for record in caplog.records if record.name == "worker.jobapi"
+            and "job API connect failed" in record.getMessage()]
+
+
 async def test_a_job_done_to_a_refusing_job_api_lands_once_it_is_back(
     api: FakeJobApi, caplog: pytest.LogCaptureFixture
 ) -> None:
     job = api.submit({"prompt": "x"})
-    refuse_now(api, 1.0)
+    refuse_now(api)
     caplog.set_level(logging.WARNING, logger="worker.jobapi")
-    started = time.monotonic()
-    async with job_api_session() as session:
-        await send_done(session, api, job)
+    refused = _Logged("job API connect failed")
+    logging.getLogger("worker.jobapi").addHandler(refused)
+    try:
+        async with job_api_session() as session:
+            sending = asyncio.create_task(send_done(session, api, job))
+            await asyncio.wait_for(refused.seen.wait(), 120)  # a connect was refused
+            assert api.jobs[job].done is None and not sending.done()
+            api.accept_connections()  # blocks this loop until the listener is back
+            await sending
+    finally:
+        logging.getLogger("worker.jobapi").removeHandler(refused)
     assert api.jobs[job].done == {"output": ["the result"]}
     assert api.jobs[job].attempts == [("job-done", 0, "ok")]  # sent once, when it could be
-    assert 0.5 < time.monotonic() - started < sum(CONNECT_DELAYS)
-    assert "job API connect failed" in caplog.text
+    # Refused at least once, and it landed within the retries (which end the send).
+    assert 1 <= len(connect_failures(caplog)) <= len(CONNECT_DELAYS)
 
 
 async def test_the_sdk_alone_loses_that_job_done(api: FakeJobApi) -> None:
     # Pins runpod 1.12's behaviour that worker/jobapi.py exists for: its retry covers 5xx
     # answers only, so a refused connection drops the result at once.
     job = api.submit({"prompt": "x"})
-    refuse_now(api, 1.0)
+    refuse_now(api)
     async with AsyncClientSession() as session:
         await send_done(session, api, job)
     assert api.jobs[job].done is None and api.jobs[job].attempts == []
@@ -103,12 +136,11 @@ async def test_a_post_that_was_sent_is_never_sent_again(api: FakeJobApi) -> None
 
 async def test_the_retry_is_bounded(api: FakeJobApi, caplog: pytest.LogCaptureFixture) -> None:
     job = api.submit({"prompt": "x"})
-    refuse_now(api, sum(CONNECT_DELAYS) + 3)
+    refuse_now(api)  # past every retry: ended by the fixture
     caplog.set_level(logging.WARNING, logger="worker.jobapi")
-    started = time.monotonic()
     async with job_api_session() as session:
         await send_done(session, api, job)
-    waited = time.monotonic() - started
-    assert api.jobs[job].done is None
-    assert caplog.text.count("job API connect failed") == len(CONNECT_DELAYS)
-    assert sum(CONNECT_DELAYS) <= waited < sum(CONNECT_DELAYS) + 2
+    assert api.jobs[job].done is None and api.jobs[job].attempts == []
+    # One attempt and one failure per pause, each pause the next of CONNECT_DELAYS; the
+    # last attempt's failure ends the send.
+    assert connect_failures(caplog) == list(CONNECT_DELAYS)

@@ -98,14 +98,21 @@ def test_every_path_is_relayed_byte_for_byte(start_lb: StartLb) -> None:
 def test_a_stream_is_relayed_as_it_comes(start_lb: StartLb) -> None:
     lb = start_lb()
     lb.wait_for_status(200, timeout=60)
-    arrivals: list[float] = []
-    started = time.monotonic()
-    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
-            "prompt": "x", "stream": True, "fake": {"events": 10, "delay": 0.2}}) as response:
-        for _ in response.iter_raw():
-            arrivals.append(time.monotonic() - started)
-    # 10 events 0.2 s apart: they arrive spread over ~2 s, not all at the end.
-    assert len(arrivals) >= 5 and arrivals[0] < 1.0 < arrivals[-1]
+    # vLLM sends 5 of its 10 events, then holds its stream until the test releases it: the
+    # 5 must arrive while it holds (as they come), not with the rest at the end.
+    held = expected_stream(10, "none").split(b"\n\n", 5)
+    first_five = b"\n\n".join(held[:5]) + b"\n\n"
+    received, released = b"", list[int]()
+    with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=300, json={
+            "prompt": "x", "stream": True, "fake": {"events": 10, "hold_after": 5}}) as response:
+        for chunk in response.iter_raw():
+            received += chunk
+            if received == first_five and not released:
+                # Relayed to vLLM too; it answers once it has released the held stream.
+                answer = httpx.post(f"{lb.url}/fake/release", json={}, timeout=300)
+                released.append(answer.json()["released"])
+    assert released == [1], "the first 5 events never arrived while vLLM held its stream"
+    assert received == expected_stream(10, "none")
 
 
 def test_a_configuration_error_is_every_requests_answer(start_lb: StartLb) -> None:

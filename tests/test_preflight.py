@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +114,7 @@ async def test_public_model_passes_with_one_anonymous_request(hub: FakeHub) -> N
     assert result.warnings == ()
     assert result.checked == ("Qwen/Qwen3-0.6B",)
     assert "authorization" not in hub.requests[0].headers
-    assert 0 <= result.seconds < 5
+    assert result.seconds >= 0  # measured (a monotonic clock's difference)
 
 
 async def test_no_agent_registry_request_even_with_nothing_cached(
@@ -411,30 +410,41 @@ async def test_unreachable_hub_is_an_outage(hub: FakeHub) -> None:
 async def test_a_hanging_request_neither_blocks_the_loop_nor_outlives_the_deadline(
     hub: FakeHub,
 ) -> None:
-    release = threading.Event()
+    # The request hangs until the test releases it (or for minutes, if the test never does).
+    hanging, release, ended = threading.Event(), threading.Event(), threading.Event()
 
     def hang(request: Any) -> Any:
-        release.wait(10)
+        hanging.set()
+        release.wait(300)
+        ended.set()
         return HTTP.Response(200, json=PUBLIC)
 
     hub.on_call(f"{API}/Qwen/Qwen3-0.6B", hang)
-    ticks = 0
+    ticks = 0  # turns of this loop while the request hung
+    ticked = asyncio.Event()
 
     async def tick() -> None:
         nonlocal ticks
         while True:
-            ticks += 1
+            if hanging.is_set() and not ended.is_set():
+                ticks += 1
+                if ticks >= 10:
+                    ticked.set()
             await asyncio.sleep(0.01)
 
     ticker = asyncio.create_task(tick())
-    started = time.monotonic()
     try:
         result = await run(env_of(MODEL_NAME="Qwen/Qwen3-0.6B"), timeout=0.3)
+        # The pre-flight answered while its request still hung: past its deadline, not at
+        # the request's end.
+        assert not ended.is_set()
+        # And the loop keeps running while the request hangs.
+        await asyncio.wait_for(ticked.wait(), 120)
+        assert not ended.is_set()
     finally:
         ticker.cancel()
         release.set()
-    assert time.monotonic() - started < 2
-    assert ticks >= 10  # the loop kept running while the request hung
+    assert ticks >= 10
     assert result.ok and result.outage is not None
     assert result.outage.repos[0][1] == "no answer within 0.3 s"
 

@@ -6,10 +6,13 @@ import asyncio
 import contextlib
 import gc
 import io
+import logging
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import free_port
 from worker.secrets import SecretMasker
@@ -27,22 +30,25 @@ STUBBORN = textwrap.dedent("""
 
 
 def test_stop_ends_the_whole_process_group_even_a_child_ignoring_sigterm(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     echo = io.StringIO()
     process = VllmProcess(
         [sys.executable, "-c", STUBBORN], {}, masker=SecretMasker(["hf_SECRETVALUE"]), echo=echo
     )
     process.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
     while len(process.tail()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert len(process.tail()) >= 2, f"parent and child never both started: {process.tail()}"
     assert process.pid is not None
     assert len(group_members(process.pid)) == 2
-    started = time.monotonic()
-    process.stop(grace=1.0)
+    caplog.set_level(logging.INFO, logger="worker.supervisor")
+    process.stop(grace=1.0)  # returns once no process of the group is left
     assert group_members(process.pid) == []
-    assert time.monotonic() - started < 10
+    # The child outlived the SIGTERM and was killed (its 600 s sleep not waited out).
+    assert [r.getMessage() for r in caplog.records if "killing its process group" in
+            r.getMessage()] == ["vLLM did not stop within 1s: killing its process group"]
     assert "hf_SECRETVALUE" not in echo.getvalue()
     assert "parent up, token ***" in process.tail()
 
@@ -51,12 +57,19 @@ def test_an_early_exit_is_noticed_at_once_and_keeps_the_last_lines() -> None:
     script = "import sys\nfor i in range(500): print(f'line {i}')\nsys.exit(3)"
     process = VllmProcess([sys.executable, "-c", script], {}, tail_lines=400, echo=io.StringIO())
     process.start()
-    started = time.monotonic()
-    readiness = asyncio.run(
-        wait_until_healthy(process, f"http://127.0.0.1:{free_port()}", timeout=30)
-    )
+    polls = 0
+
+    def count() -> None:
+        nonlocal polls
+        polls += 1
+
+    # Neither the next poll nor the deadline comes within the test's time: only watching
+    # the exit can end this wait.
+    readiness = asyncio.run(wait_until_healthy(
+        process, f"http://127.0.0.1:{free_port()}", timeout=3600, poll_interval=3600,
+        on_poll=count))
     assert readiness is Readiness.EXITED
-    assert time.monotonic() - started < 5
+    assert polls <= 1  # the exit ended the wait before a second poll
     process.stop()
     process.drain_output()
     assert process.returncode == 3
@@ -125,9 +138,8 @@ def test_an_abandoned_wait_for_the_exit_holds_nothing() -> None:
         before = futures_alive()
         asyncio.run(abandon(200))
         held = futures_alive() - before
-        exited_at = time.monotonic()
         process.stop(grace=1.0)
-        assert process.returncode is not None and time.monotonic() - exited_at < 10
+        assert process.returncode is not None
     finally:
         process.stop(grace=1.0)
     assert held < 10, f"{held} futures still held after 200 abandoned waits"
