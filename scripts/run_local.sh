@@ -13,6 +13,10 @@ if [ -z "${MODEL_NAME:-}" ]; then
   export MAX_MODEL_LEN=${MAX_MODEL_LEN:-512}
   # float32: vLLM's most portable CPU kernels (bf16 ones differ with the processor).
   export DTYPE=${DTYPE:-float32}
+  # No torch.compile of a model this small: vLLM starts in seconds instead of minutes on a
+  # CPU; and a KV cache the size of its context, not vLLM's CPU default of gigabytes.
+  export ENFORCE_EAGER=${ENFORCE_EAGER:-true}
+  export KV_CACHE_MEMORY_BYTES=${KV_CACHE_MEMORY_BYTES:-64M}
 fi
 export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
 export WORKER_PYTHON=$PWD/.venv/bin/python

@@ -21,13 +21,19 @@ from typing import Protocol
 
 import pytest
 
+from tests import shared_workers
 from tests.fake_job_api import FakeJobApi
+from tests.shared_workers import POOL
 from tests.tiny_model import build_tiny_model, build_tiny_whisper, scratch_dirs
 from tests.tiny_model import tiny_env as tiny_env_of
 from tests.tiny_model import whisper_env as whisper_env_of
 from tests.worker_process import WorkerProcess, error_lines
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Where the time goes (printed at the end of a run) and the tiers' markers held at collection;
+# the workers shared by the tests of several modules (tests/shared_workers.py).
+pytest_plugins = ["tests.suite_report", "tests.pooled"]
 
 
 # Variables through which a machine's own caches and credentials would reach the tests.
@@ -77,6 +83,15 @@ def pytest_runtest_makereport(
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item._worker_logs_before = len(WorkerProcess.log_paths)  # type: ignore[attr-defined]
+    shared_workers.before_test(item)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    shared_workers.order(items)
+
+
+def pytest_sessionfinish() -> None:
+    POOL.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -41,7 +41,8 @@ class HealthLog:
 
     def _poll(self) -> None:
         started = time.monotonic()
-        with httpx.Client(timeout=1.0, trust_env=False) as client:
+        # A generous timeout: a machine that stands still answers late, not never.
+        with httpx.Client(timeout=30.0, trust_env=False) as client:
             while not self._stop.is_set():
                 try:
                     status: int | None = client.get(self.url).status_code

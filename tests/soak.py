@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import statistics
 import sys
 import time
 import urllib.request
@@ -417,4 +419,19 @@ def figures(run: SoakRun) -> str:
     lines.append("(after the warm-up, after each tenth, idle after the run; CPU is the worker's "
                  "own, per job and per job API request; latency is what the worker and the SDK's "
                  "loop add to vLLM's time, p50/p99 of the clean jobs of the tenth)")
+    cpu_drift = drift([tenth.cpu_ms_per_request for tenth in run.tenths])
+    p50_drift = drift([latency(run, tenth.phase)[0] for tenth in run.tenths])
+    lines.append(f"drift, the least of the last three tenths against the median of the first "
+                 f"three: CPU per request {cpu_drift}; latency p50 {p50_drift}")
     return "\n".join(lines)
+
+
+def drift(series: list[float]) -> str:
+    """The least of the last three tenths' figures against the median of the first three's (a
+    tenth without the figure, nan, left out): a drift grows with the jobs, so it is in each of
+    the last tenths, while a stall of the machine is in the tenths it lands in."""
+    first3, last3 = ([v for v in group if not math.isnan(v)] for group in (series[:3], series[-3:]))
+    if not first3 or not last3:
+        return "n/a"
+    early, late = statistics.median(first3), min(last3)
+    return f"{early:.2f} → {late:.2f} (×{late / early:.2f})" if early else "n/a"

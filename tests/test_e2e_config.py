@@ -1,5 +1,7 @@
 """What the resolved configuration decides, checked on the real CPU vLLM through the SDK loop.
 
+* flags of every origin (a variable, an earlier release's alias, ``VLLM_EXTRA_ARGS``) in one
+  command vLLM accepts;
 * the default model of a job is the command's first served name, whatever set it
   (``VLLM_EXTRA_ARGS`` over the earlier release's variable, the config file);
 * ``DEFAULT_MAX_TOKENS`` for prompt and messages jobs, and vLLM's own 16 without it;
@@ -10,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi
+from tests.serving import Serving
 
 pytestmark = pytest.mark.vllm
 
@@ -36,13 +38,18 @@ def completion_tokens(body: dict[str, Any]) -> int:
     return tokens
 
 
-def test_extra_args_name_the_model_default_tokens_and_lora_without_enable_lora(
+def test_a_realistic_environment_extra_args_name_the_model_default_tokens_and_lora(
     job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tiny_lora: Path
 ) -> None:
+    """Flags of every origin (variable, alias, extra args) in one command vLLM accepts; the
+    default model of a job is the served name extra args set; DEFAULT_MAX_TOKENS; LoRA
+    adapters served without ENABLE_LORA."""
     worker = start_worker({
         **worker_env,
+        "MAX_MODEL_LEN": "256",
+        "ENABLE_PREFIX_CACHING": "true",
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "a",
-        "VLLM_EXTRA_ARGS": "--served-model-name b",
+        "VLLM_EXTRA_ARGS": "--served-model-name b --max-num-seqs 4 --seed 7",
         "DEFAULT_MAX_TOKENS": "24",
         "LORA_MODULES": json.dumps([{"name": "tiny-lora", "path": str(tiny_lora)}]),
     })
@@ -61,34 +68,25 @@ def test_extra_args_name_the_model_default_tokens_and_lora_without_enable_lora(
                             "sampling_params": {"max_tokens": 4, "ignore_eos": True}})
     assert lora["model"] == "tiny-lora" and completion_tokens(lora) == 4
     launch = next(line for line in worker.log().splitlines() if "launching:" in line)
-    assert "--enable-lora" in launch
+    for flag in ("--enable-lora", "--enable-prefix-caching", "--served-model-name b",
+                 "--max-num-seqs 4 --seed 7", "--max-model-len 256"):
+        assert flag in launch, (flag, launch)
     assert "the worker adds --enable-lora" in worker.log()
 
 
 def test_a_config_file_names_the_model_and_vllms_default_length_stays(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
+    queue_worker: Serving,
 ) -> None:
-    config = tmp_path / "vllm.yaml"
-    config.write_text("served-model-name: c\n")
-    start_worker({**worker_env, "VLLM_CONFIG_FILE": str(config)})
-    body = answer(job_api, {"prompt": "Hello", "sampling_params": {"ignore_eos": True}})
+    """The shared queue worker's VLLM_CONFIG_FILE says ``served-model-name: c``."""
+    assert Path(queue_worker.env["VLLM_CONFIG_FILE"]).read_text() == "served-model-name: c\n"
+    body = answer(queue_worker.api, {"prompt": "Hello", "sampling_params": {"ignore_eos": True}})
     assert body["model"] == "c"
     # Without DEFAULT_MAX_TOKENS a prompt job gets vLLM's completions default: 16 tokens.
     assert completion_tokens(body) == 16
 
 
-def test_a_baked_model_is_served_under_its_repo_id(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
-    tiny_model: Path, tmp_path: Path,
-) -> None:
-    # Laid out as scripts/download_model.py leaves a model in the image.
-    snapshot = tmp_path / "models" / "models--acme--tiny" / "snapshots" / "0123abcd"
-    shutil.copytree(tiny_model, snapshot, ignore=shutil.ignore_patterns("lora"))
-    baked = tmp_path / "local_model_args.json"
-    baked.write_text(json.dumps({"MODEL_NAME": str(snapshot), "TOKENIZER_NAME": str(snapshot),
-                                 "SERVED_MODEL_NAME": "acme/tiny"}))
-    worker = start_worker({**worker_env, "BAKED_MODEL_FILE": str(baked),
-                           "MODEL_NAME": "acme/not-this-one", "HF_HUB_OFFLINE": ""})
+def test_a_baked_model_is_served_under_its_repo_id(baked_worker: Serving) -> None:
+    job_api, worker = baked_worker.api, baked_worker.worker
     body = answer(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 2}})
     assert body["model"] == "acme/tiny"
     named = answer(job_api, {"prompt": "Hello", "model": "acme/tiny",

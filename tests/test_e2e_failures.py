@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi, JobRecord
+from tests.serving import SECRETS, Serving
+from tests.test_security import assert_no_secret
 from tests.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.vllm
@@ -52,20 +54,24 @@ def model_copy(tiny_model: Path, tmp_path: Path, **config: Any) -> Path:
     return target
 
 
-def test_max_model_len_beyond_the_model(
+def test_max_model_len_beyond_the_model_is_explained_and_leaks_no_secret(
     job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
 ) -> None:
-    worker, records = failed_start(
-        job_api, start_worker, {**worker_env, "MAX_MODEL_LEN": "100000"}, jobs=2
-    )
+    env = {**worker_env, **SECRETS, "MAX_MODEL_LEN": "100000",
+           # A user who put a secret where it does not belong: it is still masked.
+           "SERVED_MODEL_NAME": SECRETS["MY_SERVICE_TOKEN"]}
+    worker, records = failed_start(job_api, start_worker, env, jobs=2)
     for record in records:  # stays up: every job gets the same answer
         message = startup_error(record)
         assert record.error is not None and record.error["kind"] == "max_model_len_too_large"
         assert "MAX_MODEL_LEN" in message and "2048" in message
         assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in message
+        assert_no_secret(json.dumps(record.done), "a job result")
     assert worker.proc.poll() is None
     assert worker.vllm_processes_left() == []
     assert "start-up failed" in worker.log()
+    worker.kill()
+    assert_no_secret(worker.log(), "the worker's log")
 
 
 def test_unknown_flag_names_vllm_extra_args(
@@ -87,15 +93,6 @@ def test_bad_boolean_is_a_config_error_and_vllm_never_launches(
     assert worker.vllm_pids() == []
 
 
-def test_model_directory_that_does_not_exist(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
-) -> None:
-    missing = str(tmp_path / "no-such-model")
-    _, [record] = failed_start(job_api, start_worker, {**worker_env, "MODEL_NAME": missing})
-    message = startup_error(record)
-    assert "MODEL_NAME" in message and missing in message
-
-
 def test_unknown_architecture(
     job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
     tiny_model: Path, tmp_path: Path,
@@ -105,19 +102,6 @@ def test_unknown_architecture(
     message = startup_error(record)
     assert "FooBarForCausalLM" in message
     assert "LlamaForCausalLM" not in message  # not vLLM's list of hundreds
-
-
-def test_model_needing_custom_code(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
-    tiny_model: Path, tmp_path: Path,
-) -> None:
-    model = model_copy(
-        tiny_model, tmp_path, model_type="custom-tiny",
-        auto_map={"AutoConfig": "configuration_custom.CustomConfig",
-                  "AutoModelForCausalLM": "modeling_custom.CustomModel"},
-    )
-    _, [record] = failed_start(job_api, start_worker, {**worker_env, "MODEL_NAME": str(model)})
-    assert "TRUST_REMOTE_CODE=true" in startup_error(record)
 
 
 def test_kv_cache_too_small_relaunches_once_then_explains(
@@ -131,24 +115,6 @@ def test_kv_cache_too_small_relaunches_once_then_explains(
     # ENFORCE_EAGER is already true in this environment: the relaunch changes the rest only.
     assert "Already tried: a relaunch with MAX_NUM_BATCHED_TOKENS=8192." in message
     assert len(worker.vllm_pids()) == 2  # the first start and the one relaunch
-
-
-def test_memory_utilization_too_high_for_the_cpu_backend(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
-) -> None:
-    env = {k: v for k, v in worker_env.items() if k != "KV_CACHE_MEMORY_BYTES"}
-    _, [record] = failed_start(job_api, start_worker, {**env, "GPU_MEMORY_UTILIZATION": "0.99"})
-    assert "GPU_MEMORY_UTILIZATION" in startup_error(record)
-
-
-def test_hub_id_offline_and_not_cached(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], tmp_path: Path
-) -> None:
-    env = {**worker_env, "MODEL_NAME": "no-such-org/no-such-model",
-           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    _, [record] = failed_start(job_api, start_worker, env)
-    message = startup_error(record)
-    assert "HF_HUB_OFFLINE" in message and "no-such-org/no-such-model" in message
 
 
 def test_unrecognised_failure_answers_one_job_then_exits(
@@ -166,35 +132,33 @@ def test_unrecognised_failure_answers_one_job_then_exits(
     assert error["exit_code"] == 1
     assert "something odd happened" in error["logs"]
     assert "hf_S3CRETVALUE" not in json.dumps(record.done)
-    assert worker.wait(30) != 0
+    assert worker.wait(120) != 0
     assert "hf_S3CRETVALUE" not in worker.log()
     assert len(job_api.taken()) == 1
 
 
 def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+    retiring_queue_worker: Serving,
 ) -> None:
-    worker = start_worker({**worker_env, "MAX_MODEL_LEN": "2048", "KV_CACHE_MEMORY_BYTES": "1G"})
-    worker.wait_for_log("taking jobs", timeout=240)
+    """The end of the shared queue worker (2048 tokens of context, 1 GiB of KV cache)."""
+    job_api, worker = retiring_queue_worker.api, retiring_queue_worker.worker
     [api_server] = worker.vllm_pids()
     # One job mid-stream (128 × 2000 tokens: ~13 s of work), then vLLM frozen so that two
     # more jobs are surely in flight, unanswered, when its API server is killed.
     streaming = job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
         "max_tokens": 2000, "ignore_eos": True, "n": 128}})
-    job_api.wait_stream(streaming, count=1, timeout=60)
+    job_api.wait_stream(streaming, count=1, timeout=120)
     os.killpg(api_server, signal.SIGSTOP)
     waiting = [job_api.submit({"prompt": "Hello", "stream": True}), job_api.submit(PROMPT)]
     for job in waiting:
-        job_api.wait_taken(job, timeout=30)
+        job_api.wait_taken(job, timeout=120)
     time.sleep(0.5)  # the requests reach vLLM's (frozen) listening socket
-    killed_at = time.monotonic()
     os.kill(api_server, signal.SIGKILL)
     os.killpg(api_server, signal.SIGCONT)  # the engine may now notice and go
-    code = worker.wait(30)
-    exited_after = time.monotonic() - killed_at
+    code = worker.wait(120)
     jobs = [streaming, *waiting]
-    for job in jobs:  # streaming or not, every job in flight gets an answer
-        record = job_api.wait_done(job, timeout=5)
+    for job in jobs:  # streaming or not, every job in flight got an answer before the exit
+        record = job_api.wait_done(job, timeout=30)
         assert record.error is not None and record.error["type"] == "backend_unavailable"
         assert "exited with code -9" in record.error["message"]
     assert code != 0
@@ -206,26 +170,24 @@ def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
     assert "SIGKILL after 1 s)" in log and "SIGKILL after 15 s)" not in log
     stopped = re.search(r"no process of its group left ([\d.]+) s after the stop began", log)
     assert stopped is not None
-    print(f"worker exited {exited_after:.2f} s after vLLM's death; its group stopped "
-          f"{stopped[1]} s after the stop began")
+    print(f"vLLM's group stopped {stopped[1]} s after the stop began")
     assert worker.vllm_processes_left() == []
 
 
-def test_sigterm_drains_in_flight_jobs_then_stops_vllm(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
-) -> None:
-    worker = start_worker(worker_env)
-    worker.wait_for_log("taking jobs", timeout=240)
+def test_sigterm_drains_in_flight_jobs_then_stops_vllm(retiring_baked_worker: Serving) -> None:
+    """The end of the shared worker of a baked model (tests/test_e2e_config.py): any healthy
+    queue worker would do."""
+    job_api, worker = retiring_baked_worker.api, retiring_baked_worker.worker
     jobs = [job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
         "max_tokens": 300, "ignore_eos": True, "n": 8}}) for _ in range(4)]
     for job in jobs:
-        job_api.wait_stream(job, count=1, timeout=60)
+        job_api.wait_stream(job, count=1, timeout=120)
     worker.signal(signal.SIGTERM)
-    worker.wait_for_log("SIGTERM: no new jobs", timeout=10)
+    worker.wait_for_log("SIGTERM: no new jobs", timeout=120)
     late = job_api.submit(PROMPT)
-    assert worker.wait(60) == 0
+    assert worker.wait(300) == 0
     for job in jobs:
-        record = job_api.wait_done(job, timeout=5)
+        record = job_api.wait_done(job, timeout=60)
         assert "error" not in record.done
         assert "".join(record.outputs).endswith("data: [DONE]\n\n")
     # The fake API cannot tell a take the worker abandoned from one it got: what matters is
@@ -235,40 +197,40 @@ def test_sigterm_drains_in_flight_jobs_then_stops_vllm(
 
 
 def test_a_stalled_vllm_fails_jobs_with_timeout_and_nothing_hangs(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+    queue_worker: Serving,
 ) -> None:
-    worker = start_worker({**worker_env, "REQUEST_TIMEOUT": "3"})
-    worker.wait_for_log("taking jobs", timeout=240)
+    """vLLM frozen (its whole group stopped): the jobs sent meanwhile fail with ``timeout``
+    (the shared worker's REQUEST_TIMEOUT=20) while it is still frozen, and once it runs again
+    the worker serves as before."""
+    job_api, worker = queue_worker.api, queue_worker.worker
     warm = job_api.wait_done(job_api.submit(PROMPT), timeout=60)
     assert "error" not in warm.done
     [leader] = worker.vllm_pids()
     os.killpg(leader, signal.SIGSTOP)
     try:
-        started = time.monotonic()
         jobs = [job_api.submit(PROMPT), job_api.submit({**PROMPT, "stream": True})]
-        records = [job_api.wait_done(job, timeout=30) for job in jobs]
-        waited = time.monotonic() - started
+        # Answered before the SIGCONT below: the worker did not wait for vLLM.
+        records = [job_api.wait_done(job, timeout=300) for job in jobs]
     finally:
         os.killpg(leader, signal.SIGCONT)
     for record in records:
         assert record.error is not None and record.error["type"] == "timeout", record.done
         assert record.error["code"] == 504 and "REQUEST_TIMEOUT" in record.error["message"]
-    assert 3 <= waited < 15  # answered after REQUEST_TIMEOUT, and not hung
+        assert "vLLM sent nothing for 20 s" in record.error["message"]
     assert worker.proc.poll() is None  # a stall is not a death: the worker stays
     after = job_api.wait_done(job_api.submit(PROMPT), timeout=60)
     assert "error" not in after.done
 
 
 def test_a_paused_vllm_server_loses_no_job_on_an_idle_connection(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
+    queue_worker: Serving,
 ) -> None:
     """vLLM's uvicorn closes a connection idle for its keep-alive; the proxy reuses one idle
     for less than its own expiry (5 s). When vLLM's loop stalls (a busy host, a long tokenize),
     uvloop runs the expired keep-alive timers before it reads the requests that arrived
     meanwhile: with the 5 s of vLLM's default, a job sent on a connection idle for 3 s into
     a 3 s stall was answered "Server disconnected" (17 of 600 jobs of a soak in CI)."""
-    worker = start_worker(worker_env)
-    worker.wait_for_log("taking jobs", timeout=240)
+    job_api, worker = queue_worker.api, queue_worker.worker
     [api_server] = worker.vllm_pids()
     jobs = 6
     warm = [job_api.submit(PROMPT) for _ in range(jobs)]  # the proxy's pool: idle connections
@@ -279,7 +241,7 @@ def test_a_paused_vllm_server_loses_no_job_on_an_idle_connection(
     try:
         paused = [job_api.submit(PROMPT) for _ in range(jobs)]
         for job in paused:
-            job_api.wait_taken(job, timeout=30)
+            job_api.wait_taken(job, timeout=120)
         time.sleep(3.0)  # the requests wait in the sockets; the connections age past 5 s
     finally:
         os.kill(api_server, signal.SIGCONT)

@@ -21,7 +21,7 @@ from tests.conftest import StartWorker, free_port, report_figure
 from tests.fake_hub import FakeHub, HubRequest
 from tests.fake_job_api import FakeJobApi
 from tests.hub_model import REPO, repo_files
-from tests.lb_worker import start_lb_worker
+from tests.pooled import HubLb
 from worker.hub_cache import repo_folder
 from worker.volume_cache import format_bytes
 
@@ -72,18 +72,28 @@ def serve_one_job(job_api: FakeJobApi, start_worker: StartWorker, env: dict[str,
     return time.monotonic() - started
 
 
-def test_a_cached_model_starts_without_the_hub(
+def test_a_cache_serves_without_asking_the_hub_from_partial_to_complete_to_a_bare_snapshot(
     job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], hub: FakeHub,
     files: dict[str, bytes], tmp_path: Path,
 ) -> None:
-    # A cold start downloads each file once, though the worker and vLLM both fetch.
-    cold = serve_one_job(job_api, start_worker, env_of(worker_env, hub.url, tmp_path))
-    assert file_gets(hub.requests) == Counter(dict.fromkeys(files, 1))
-    assert hub.bytes_sent() - sum(r.sent for r in hub.requests if "/resolve/" not in r.path) \
-        == sum(len(data) for data in files.values())
+    """Three starts on one cache, each a user's case (a cold start from an empty cache, each
+    file downloaded once though the worker and vLLM both fetch, is the load balancer's below).
+    """
+    from huggingface_hub import snapshot_download
 
-    # The next start on that cache: vLLM asks the Hub nothing; the worker one question, in
-    # the background (has main moved on?).
+    # 1. A partial cache (the weights missing): online, and only what is missing is fetched.
+    snapshot_download(REPO, endpoint=hub.url, cache_dir=tmp_path / "hub",
+                      ignore_patterns=["*.safetensors"])
+    mark = hub.count()
+    partial = serve_one_job(job_api, start_worker, env_of(worker_env, hub.url, tmp_path))
+    assert "partial in" in start_worker_log(tmp_path, 0)
+    assert file_gets(hub.since(mark)) == Counter({"model.safetensors": 1})
+
+    # 2. The cache is complete, and the Hub has a newer commit: vLLM asks the Hub nothing and
+    # runs offline; the worker asks one question, in the background (has main moved on?), and
+    # tells of the newer commit without taking it.
+    old = hub.commit
+    new = hub.push(REPO, {**files, "README.md": b"# a newer commit"})
     mark = hub.count()
     warm = serve_one_job(job_api, start_worker, env_of(worker_env, hub.url, tmp_path))
     asked = hub.since(mark)
@@ -92,32 +102,29 @@ def test_a_cached_model_starts_without_the_hub(
     log = start_worker_log(tmp_path, 1)
     assert "everything vLLM needs is cached: it runs offline (HF_HUB_OFFLINE=1)" in log
     assert "launching: HF_HUB_OFFLINE=1 " in log
+    assert (f"A newer commit of the model {REPO} is on the Hub: main is at {new[:12]}, this "
+            f"start serves the cached {old[:12]}. To take it, set MODEL_REVISION={new}") in log
 
-    # With the Hub down, the same cache serves.
+    # 3. The Hub down, and the cache as scripts/download_model.py and Runpod's cached models
+    # write it (snapshot_download alone: no .no_exist markers of the files vLLM looks for),
+    # here without refs/ too: the only snapshot serves, pinned.
+    folder = tmp_path / "hub" / repo_folder(REPO)
+    shutil.rmtree(folder / "refs")
+    shutil.rmtree(folder / ".no_exist", ignore_errors=True)
+    [snapshot] = (folder / "snapshots").iterdir()
+    mark = hub.count()
     down = serve_one_job(job_api, start_worker, env_of(worker_env, closed_port(), tmp_path))
-    assert hub.count() == mark + 1
-    report_figure(f"hub: cold start {cold:.1f} s, cached {warm:.1f} s, cached with the Hub "
-                  f"down {down:.1f} s (worker start to first job answered)")
+    assert hub.count() == mark
+    log = start_worker_log(tmp_path, 2)
+    assert f"--revision {snapshot.name} --host" in log
+    assert f"the only snapshot, {snapshot.name[:12]}, taken for main" in log
+    report_figure(f"hub: start from a partial cache {partial:.1f} s, cached {warm:.1f} s, "
+                  f"cached with the Hub down {down:.1f} s (worker start to first job answered)")
 
 
 def start_worker_log(tmp_path: Path, index: int) -> str:
     """The log of the ``index``-th worker the start_worker fixture started."""
     return (tmp_path / f"worker-{index}.log").read_text(errors="replace")
-
-
-def test_a_newer_commit_on_the_hub_is_told_not_taken(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], hub: FakeHub,
-    files: dict[str, bytes], tmp_path: Path,
-) -> None:
-    serve_one_job(job_api, start_worker, env_of(worker_env, hub.url, tmp_path))
-    old = hub.commit
-    new = hub.push(REPO, {**files, "README.md": b"# a newer commit"})
-    mark = hub.count()
-    serve_one_job(job_api, start_worker, env_of(worker_env, hub.url, tmp_path))
-    assert not any(r.by_vllm for r in hub.since(mark))
-    log = start_worker_log(tmp_path, 1)
-    assert (f"A newer commit of the model {REPO} is on the Hub: main is at {new[:12]}, this "
-            f"start serves the cached {old[:12]}. To take it, set MODEL_REVISION={new}") in log
 
 
 def test_no_model_and_no_hub_is_explained_in_seconds(
@@ -144,66 +151,31 @@ def test_no_model_and_no_hub_is_explained_in_seconds(
                   f"{answered:.1f} s after the worker started (HUB_RETRY_TIMEOUT=2)")
 
 
-def test_a_partial_cache_goes_online_and_fetches_only_what_is_missing(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], hub: FakeHub,
-    tmp_path: Path,
-) -> None:
-    from huggingface_hub import snapshot_download
-
-    snapshot_download(REPO, endpoint=hub.url, cache_dir=tmp_path / "hub",
-                      ignore_patterns=["*.safetensors"])
-    mark = hub.count()
-    serve_one_job(job_api, start_worker, env_of(worker_env, hub.url, tmp_path))
-    assert "partial in" in start_worker_log(tmp_path, 0)
-    assert file_gets(hub.since(mark)) == Counter({"model.safetensors": 1})
-
-
-def test_a_copy_by_snapshot_download_without_its_ref_serves_with_the_hub_down(
-    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str], hub: FakeHub,
-    tmp_path: Path,
-) -> None:
-    """As scripts/download_model.py and Runpod's cached models write it: snapshot_download
-    alone (no .no_exist markers of the files vLLM looks for), here without refs/ too."""
-    from huggingface_hub import snapshot_download
-
-    snapshot = Path(snapshot_download(REPO, endpoint=hub.url, cache_dir=tmp_path / "hub"))
-    shutil.rmtree(tmp_path / "hub" / repo_folder(REPO) / "refs")
-    assert not (tmp_path / "hub" / repo_folder(REPO) / ".no_exist").exists()
-    serve_one_job(job_api, start_worker, env_of(worker_env, closed_port(), tmp_path))
-    log = start_worker_log(tmp_path, 0)
-    assert f"--revision {snapshot.name} --host" in log
-    assert f"the only snapshot, {snapshot.name[:12]}, taken for main" in log
-
-
-def test_a_slow_download_is_shown_in_the_log_and_the_load_balancers_503(
-    worker_env: dict[str, str], tiny_model: Path, tmp_path: Path,
-) -> None:
-    files = repo_files(tiny_model, extra_weight_bytes=24 << 20)
+def test_a_slow_download_is_shown_in_the_log_and_the_load_balancers_503(hub_lb: HubLb) -> None:
+    """A cold start in lb mode from a Hub sending 2 MB/s (tests/pooled.py): its progress in
+    the log and in the 503 body, each file's bytes sent once though the worker and vLLM both
+    fetch. (Its worker goes on to tests/test_e2e_lb.py's SIGTERM.)"""
+    hub, lb, files = hub_lb.hub, hub_lb.lb, hub_lb.files
     total = sum(len(data) for data in files.values())
-    with FakeHub() as hub:
-        hub.add(REPO, files)
-        hub.bandwidth = 2e6  # about 13 s for the 25 MiB
-        lb = start_lb_worker(env_of(worker_env, hub.url, tmp_path), tmp_path / "lb.log")
-        try:
-            seen: list[dict[str, object]] = []
-            with httpx.Client(timeout=5, trust_env=False) as client:
-                deadline = time.monotonic() + 300
-                while time.monotonic() < deadline:
-                    try:
-                        answer = client.get(f"{lb.url}/v1/models")
-                    except httpx.HTTPError:
-                        time.sleep(0.2)
-                        continue
-                    if answer.status_code == 200:
-                        break
-                    assert answer.status_code == 503, answer.text
-                    seen.append(answer.json()["error"])
-                    time.sleep(0.5)
-            log = lb.worker.log()
-        finally:
-            lb.worker.kill()
-            lb.health.stop()
-        gets = file_gets(hub.requests)
+    seen: list[dict[str, object]] = []
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                answer = client.get(f"{lb.url}/v1/models")
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            if answer.status_code == 200:
+                break
+            assert answer.status_code == 503, answer.text
+            seen.append(answer.json()["error"])
+            time.sleep(0.5)
+        else:
+            pytest.fail("the load balancer never served /v1/models")
+    log = lb.worker.log()
+    gets = file_gets(hub.requests)
+    sent = hub.bytes_sent() - sum(r.sent for r in hub.requests if "/resolve/" not in r.path)
     downloading = [e for e in seen if e["phase"] == "downloading"]
     assert downloading, seen
     downloads = downloading[-1]["downloads"]
@@ -215,7 +187,9 @@ def test_a_slow_download_is_shown_in_the_log_and_the_load_balancers_503(
     assert len(lines) >= 3, log[-3000:]
     size = format_bytes(total)
     assert f"startup: downloaded {REPO}: {size} of {size} (100%)" in log
-    assert gets == Counter(dict.fromkeys(files, 1))  # the worker and vLLM, each file once
+    # A cold start: the worker and vLLM both fetch, each file's bytes are sent once.
+    assert gets == Counter(dict.fromkeys(files, 1))
+    assert sent == total
     later = [e["phase"] for e in seen[seen.index(downloading[-1]) + 1:]]
     assert set(later) <= {"downloading", "starting vLLM", "loading weights", "weights loaded",
                           "engine ready", "api listening"}

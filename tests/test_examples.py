@@ -1,8 +1,9 @@
 """The examples (examples/*.py) and the docs' job commands, run for real.
 
-One worker serves the module, started the way docs/deploy.md says: ``start.sh`` with
-``WORKER_MODE=local``, i.e. the runpod SDK's local API (on a free port) in front of the CPU
-vLLM serving the tiny model. Every example that has a route there (the ``requests_*``
+One worker serves the module, started by the README's first command, ``scripts/run_local.sh``
+(``start.sh`` with ``WORKER_MODE=local``): the runpod SDK's local API (on a free port) in front
+of the CPU vLLM serving the tiny model. Its last test stops it as a user would (Ctrl-C).
+Every example that has a route there (the ``requests_*``
 scripts: /run, /runsync, /status, /stream) runs as a subprocess with BASE_URL pointing at it.
 
 The SDK's local API has no ``/openai/...`` routes (runpod's rp_fastapi.py defines /run,
@@ -27,13 +28,13 @@ import json
 import mimetypes
 import re
 import shlex
+import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,6 +44,7 @@ import pytest
 
 from tests import docs
 from tests.conftest import free_port, load_script
+from tests.shared_workers import POOL, pooled
 from tests.tiny_model import sine_wav
 from tests.worker_process import WorkerProcess, base_env
 from worker.routing import parse_job_input
@@ -72,19 +74,27 @@ class LocalWorker:
     openai_url: str
     """vLLM's own OpenAI-compatible API (what the platform's /openai/v1 forwards to)."""
     model: str
+    runs: dict[str, subprocess.CompletedProcess[str]] = field(default_factory=dict)
+    """Every example's run against this worker (:func:`example_runs`), once made."""
+
+    def alive(self) -> bool:
+        return self.worker.proc.poll() is None
+
+    def stop(self) -> None:
+        self.worker.kill()
 
 
-def start_local(env: dict[str, str], model: Path, log: Path) -> LocalWorker:
-    """start.sh in local mode (the SDK's local API) on free ports, once it listens."""
+def start_local(argv: list[str], env: dict[str, str], model: Path, log: Path) -> LocalWorker:
+    """``argv`` (start.sh, or scripts/run_local.sh) in local mode (the SDK's local API) on free
+    ports, once it listens."""
     vllm_port, api_port = free_port(), free_port()
     env = {
         **env,
         "WORKER_MODE": "local",
-        "WORKER_PYTHON": sys.executable,
         "PORT": str(api_port),
         "VLLM_PORT": str(vllm_port),
     }
-    worker = WorkerProcess([str(ROOT / "start.sh")], env, log_path=log)
+    worker = WorkerProcess(argv, env, log_path=log)
     try:
         worker.wait_for_log("Uvicorn running on", timeout=300)
     except BaseException:
@@ -94,24 +104,48 @@ def start_local(env: dict[str, str], model: Path, log: Path) -> LocalWorker:
                        f"http://127.0.0.1:{vllm_port}/v1", str(model))
 
 
-@pytest.fixture(scope="module")
+def start_run_local(vllm_scratch: dict[str, str], log: Path) -> LocalWorker:
+    """The README's first command, ``scripts/run_local.sh``, as a user runs it: the tiny model
+    it builds (in .cache/tiny-model) and its defaults, on free ports."""
+    return start_local(["bash", str(ROOT / "scripts" / "run_local.sh")],
+                       {**vllm_scratch, "HF_HUB_OFFLINE": "1"}, ROOT / ".cache" / "tiny-model",
+                       log)
+
+
+pooled("local_worker", "local")
+pooled("retiring_local_worker", "local", ends_it=True)
+pooled("local_whisper", "local-whisper")
+
+
+@pytest.fixture
 def local_worker(
-    tiny_env: dict[str, str], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_scratch: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> LocalWorker:
+    """scripts/run_local.sh, shared by the tests of its local API (tests/shared_workers.py)."""
+    return POOL.get("local", lambda: start_run_local(
+        vllm_scratch, tmp_path_factory.mktemp("run-local") / "worker.log"))
+
+
+@pytest.fixture
+def retiring_local_worker(
+    vllm_scratch: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalWorker]:
-    local = start_local(tiny_env, tiny_model, tmp_path_factory.mktemp("examples") / "worker.log")
+    """The same, for the test that stops it (run after its other users)."""
+    local = POOL.retire("local", lambda: start_run_local(
+        vllm_scratch, tmp_path_factory.mktemp("run-local") / "worker.log"))
     yield local
-    local.worker.kill()
+    local.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def local_whisper(
     whisper_env: dict[str, str], tiny_whisper: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalWorker]:
-    """The same, serving the tiny Whisper (speech to text)."""
+) -> LocalWorker:
+    """start.sh in local mode serving the tiny Whisper (speech to text)."""
     log = tmp_path_factory.mktemp("speech-example") / "worker.log"
-    local = start_local(whisper_env, tiny_whisper, log)
-    yield local
-    local.worker.kill()
+    return POOL.get("local-whisper", lambda: start_local(
+        [str(ROOT / "start.sh")], {**whisper_env, "WORKER_PYTHON": sys.executable},
+        tiny_whisper, log))
 
 
 def run_example(name: str, base_url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -124,14 +158,17 @@ def run_example(name: str, base_url: str, *args: str) -> subprocess.CompletedPro
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def example_runs(local_worker: LocalWorker) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Every example, all at once (the worker serves them concurrently)."""
-    targets = {name: local_worker.api_url for name in LOCAL_API_EXAMPLES}
-    targets |= {name: local_worker.openai_url for name in OPENAI_EXAMPLES}
-    with ThreadPoolExecutor(len(targets)) as pool:
-        futures = {name: pool.submit(run_example, name, url) for name, url in targets.items()}
-        return {name: future.result() for name, future in futures.items()}
+    """Every example, all at once (the worker serves them concurrently), once per worker."""
+    if not local_worker.runs:
+        targets = {name: local_worker.api_url for name in LOCAL_API_EXAMPLES}
+        targets |= {name: local_worker.openai_url for name in OPENAI_EXAMPLES}
+        with ThreadPoolExecutor(len(targets)) as pool:
+            futures = {name: pool.submit(run_example, name, url)
+                       for name, url in targets.items()}
+            local_worker.runs.update({name: future.result() for name, future in futures.items()})
+    return local_worker.runs
 
 
 def _completed(run: subprocess.CompletedProcess[str]) -> str:
@@ -340,7 +377,6 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker) -> None:
     jobs = readme_job_inputs()
     assert len(jobs) >= 5
-    started = time.monotonic()
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: _post(f"{local_worker.api_url}/runsync", job), jobs))
     for job, result in zip(jobs, results, strict=True):
@@ -353,7 +389,6 @@ def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker
             assert isinstance(result["output"][0], dict | list), result
             # The local API reports a failed job as an output item: there must be none.
             assert "error" not in result["output"][0], (job, result)
-    print(f"{len(jobs)} jobs of the docs in {time.monotonic() - started:.1f} s")
 
 
 #: How the docs' OpenAI client examples name the endpoint's OpenAI-compatible address.
@@ -380,6 +415,33 @@ def test_the_docs_openai_client_examples_answer(local_worker: LocalWorker) -> No
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip(), "no answer printed"
+
+
+@pytest.mark.vllm
+def test_run_local_serves_runsync_and_stops_on_sigint(
+    retiring_local_worker: LocalWorker,
+) -> None:
+    """The README's first command: scripts/run_local.sh says how to send a job, answers the one
+    it shows, and stops with everything it started on Ctrl-C. (The worker every test above used
+    is this one.)"""
+    local = retiring_local_worker
+    log = local.worker.log()
+    assert "curl -s http://127.0.0.1:" in log  # it says how to send a job
+    request = urllib.request.Request(
+        f"{local.api_url}/runsync",
+        data=json.dumps({"input": {"prompt": "Hello",
+                                   "sampling_params": {"max_tokens": 8}}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.loads(response.read())
+    assert answer["status"] == "COMPLETED", answer
+    [completion] = answer["output"]
+    assert completion["object"] == "text_completion"
+    assert completion["usage"]["completion_tokens"] >= 1
+    local.worker.signal(signal.SIGINT)
+    assert local.worker.wait(120) == 0
+    assert local.worker.vllm_processes_left() == []
 
 
 # -- fast: URLs, headers and messages, no vLLM and no network -----------------------------

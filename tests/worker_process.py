@@ -41,10 +41,15 @@ class WorkerProcess:
 
     #: Every log file of the session, for the failure reports (tests/conftest.py).
     log_paths: ClassVar[list[Path]] = []
+    #: Each log file with the test that started its process (tests/suite_report.py tallies
+    #: the vLLM launches per file): pytest's PYTEST_CURRENT_TEST, less its phase.
+    started_by: ClassVar[list[tuple[Path, str]]] = []
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, log_path: Path) -> None:
         self.log_path = log_path
         WorkerProcess.log_paths.append(log_path)
+        owner = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        WorkerProcess.started_by.append((log_path, owner))
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             list(argv),
