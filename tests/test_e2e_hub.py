@@ -143,7 +143,7 @@ def test_no_model_and_no_hub_is_explained_in_seconds(
         f"The Hugging Face Hub at {endpoint} did not answer for the model {REPO} (MODEL_NAME): "
         "cannot reach Hugging Face (ConnectError")
     assert "Fix: Retry later" in record.error["message"]
-    assert worker.wait(60) == 1  # for a fresh worker: an outage passes
+    assert worker.wait(120) == 1  # for a fresh worker: an outage passes
     assert worker.vllm_processes_left() == []
     log = worker.log()
     assert "the Hub did not answer for acme/tiny; asking again in 1 s" in log

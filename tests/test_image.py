@@ -51,6 +51,7 @@ from tests.conftest import free_port, report_figure
 from tests.fake_hub import FakeHub
 from tests.fake_job_api import FakeJobApi, JobRecord
 from tests.image_bed import Build, Container, ImageBed
+from tests.shared_workers import POOL, pooled
 from tests.test_docker import readme_docker_builds
 from tests.test_examples import curl_commands
 from tests.test_security import every_cmdline
@@ -197,6 +198,12 @@ class Running:
     container: Container
     taking_after: float | None = None
 
+    def alive(self) -> bool:
+        return self.container.proc.poll() is None
+
+    def stop(self) -> None:
+        self.container.kill()
+
 
 @dataclass
 class Containers:
@@ -228,20 +235,29 @@ def wait_taking_jobs(running: Running) -> float:
     return running.taking_after
 
 
-@pytest.fixture(scope="module")
+pooled("serverless", "image-serverless")
+
+
+@pytest.fixture
 def serverless(containers: Containers, option1: Build, serverless_api: FakeJobApi,
-               tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    """Option 1 in serverless mode, the model from a mounted folder, a run-time HF_TOKEN."""
-    env = {**serverless_api.env(), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1",
-           "HF_TOKEN": RUNTIME_TOKEN}
-    log = tmp_path_factory.mktemp("serverless") / "container.log"
-    running = containers.start(option1.tag, env, log, mounts=[(tiny_model, MODEL_IN_CONTAINER)])
-    try:
-        report_figure(f"cold start in the container (entrypoint -> taking jobs): "
-                      f"{wait_taking_jobs(running):.1f} s")
-        yield running
-    finally:
-        running.container.kill()
+               tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Running:
+    """Option 1 in serverless mode, the model from a mounted folder, a run-time HF_TOKEN;
+    shared by the tests that read it, stopped once they are done (tests/shared_workers.py)."""
+    def start() -> Running:
+        env = {**serverless_api.env(), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1",
+               "HF_TOKEN": RUNTIME_TOKEN}
+        log = tmp_path_factory.mktemp("serverless") / "container.log"
+        running = containers.start(option1.tag, env, log,
+                                   mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+        try:
+            report_figure(f"cold start in the container (entrypoint -> taking jobs): "
+                          f"{wait_taking_jobs(running):.1f} s")
+        except BaseException:
+            running.stop()
+            raise
+        return running
+
+    return POOL.get("image-serverless", start)
 
 
 def run_job(job_api: FakeJobApi, job_input: dict[str, Any]) -> JobRecord:

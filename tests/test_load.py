@@ -185,7 +185,7 @@ def test_beyond_the_sdk_retries_a_stream_post_is_lost_but_the_aggregate_is_whole
     # carries the whole aggregate. If this fails after an SDK upgrade, re-read rp_http.py.
     serving.api.refuse_posts = 3
     [job] = serving.submit_all([stream_job(40, delay=0.01)])
-    [record] = serving.wait_all([job], timeout=30)
+    [record] = serving.wait_all([job], timeout=120)
     aggregate = record.done["output"]
     assert "".join(aggregate).encode() == expected_stream(40, MODEL)
     assert record.outputs == aggregate[1:]  # exactly the first yield is missing

@@ -80,10 +80,10 @@ def test_soak_against_the_stand_in_vllm(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_soak_against_the_real_vllm(tmp_path: Path, tiny_env: dict[str, str]) -> None:
-    run = run_real_soak(tmp_path, tiny_env, jobs=600, warmup=60)
+    run = run_real_soak(tmp_path, tiny_env, jobs=300, warmup=30)
     assert_nothing_leaked_nor_drifted(run)
-    assert run.tally.cancels["cut by the cancel"] >= 10, run.tally.cancels
-    assert run.tally.outcomes["result"] > 400
+    assert run.tally.cancels["cut by the cancel"] >= 5, run.tally.cancels
+    assert run.tally.outcomes["result"] > 200
 
 
 def test_the_soak_script_prints_and_writes_the_figures(tmp_path: Path) -> None:
