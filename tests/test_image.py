@@ -71,9 +71,11 @@ IMAGE = f"localhost/worker-vllm-test-{os.getpid()}"
 #: What of tiny_env (conftest) belongs to this machine rather than to a container.
 HOST_ONLY = ("TMPDIR", "VLLM_CACHE_ROOT", "VLLM_EXECUTABLE", "MODEL_NAME", "HF_HUB_OFFLINE")
 BAKED_CATALOG_LINE = "vLLM flag catalog: /opt/worker/vllm-flags.json (VLLM_FLAG_CATALOG)"
-#: The modes that serve HTTP themselves, with their health route: a plain pod's vLLM, and the
-#: load-balancer worker (HEALTH_CHECK_PATH's default).
-HTTP_MODES = [("http", "/health"), ("lb", "/ping")]
+#: The health route of the modes that serve HTTP themselves: a plain pod's vLLM, and the
+#: load-balancer worker (HEALTH_CHECK_PATH's default; Option 2 runs in lb mode below).
+HTTP_HEALTH, LB_HEALTH = "/health", "/ping"
+#: The key of the plain pod (http mode) below: vLLM itself requires it.
+POD_KEY = "sk-pod-test-4f1c9e"
 START_TIMEOUT = 400.0
 
 
@@ -366,60 +368,59 @@ def wait_http(url: str, container: Container, timeout: float = START_TIMEOUT) ->
     raise TimeoutError(f"{url} not healthy after {timeout} s:\n" + container.log()[-3000:])
 
 
-#: The key of the plain pod (http mode) below: vLLM itself requires it.
-POD_KEY = "sk-pod-test-4f1c9e"
-
-
-@pytest.mark.parametrize(("mode", "health"), HTTP_MODES, ids=[m for m, _ in HTTP_MODES])
-def test_http_mode_is_vllms_own_server(
-    mode: str, health: str, containers: Containers, option1: Build, tiny_model: Path,
-    tmp_path: Path
+def test_http_mode_is_vllms_own_server_and_requires_its_key(
+    containers: Containers, option1: Build, tiny_model: Path, tmp_path: Path
 ) -> None:
-    """Both modes serve vLLM's API on $PORT. A plain pod (http mode) runs with VLLM_API_KEY:
-    vLLM refuses a request without the key (the worker's warning when there is none is
-    tests/test_main.py's), and the key is in no log line."""
+    """A plain pod (no WORKER_MODE and no Runpod job environment: the worker picks http mode
+    itself) serves vLLM's own API on $PORT; with VLLM_API_KEY, vLLM refuses a request without
+    the key (the worker's warning when there is none is tests/test_main.py's), and the key is in
+    no log line."""
     port = free_port()
-    # http: no WORKER_MODE and no Runpod job environment, the worker picks the mode itself.
-    env = {"PORT": str(port), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1"}
-    key = POD_KEY if mode == "http" else None
-    if key is not None:
-        env["VLLM_API_KEY"] = key
-    else:
-        env["WORKER_MODE"] = mode
-    running = containers.start(option1.tag, env, tmp_path / f"{mode}.log",
+    env = {"PORT": str(port), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1",
+           "VLLM_API_KEY": POD_KEY}
+    running = containers.start(option1.tag, env, tmp_path / "http.log",
                                mounts=[(tiny_model, MODEL_IN_CONTAINER)])
     base = f"http://127.0.0.1:{port}"
     chat_body = {"model": MODEL_IN_CONTAINER, "messages": [{"role": "user", "content": "Hi"}],
                  "max_tokens": 3, "ignore_eos": True}
     try:
-        wait_http(base + health, running.container)
-        status, models = http_json(base + "/v1/models", key=key)
+        wait_http(base + HTTP_HEALTH, running.container)
+        status, models = http_json(base + "/v1/models", key=POD_KEY)
         assert status == 200 and models["data"][0]["id"] == MODEL_IN_CONTAINER, models
-        status, chat = http_json(base + "/v1/chat/completions", chat_body, key=key)
+        status, chat = http_json(base + "/v1/chat/completions", chat_body, key=POD_KEY)
         assert status == 200 and chat["usage"]["completion_tokens"] == 3, chat
-        assert http_json(base + health)[0] == 200
-        if key is not None:
-            assert http_json(base + "/v1/models")[0] == 401
-            assert http_json(base + "/v1/chat/completions", chat_body)[0] == 401
-            log = running.container.log()
-            assert "VLLM_API_KEY is not set" not in log
-            assert key not in log
+        assert http_json(base + HTTP_HEALTH)[0] == 200
+        assert http_json(base + "/v1/models")[0] == 401
+        assert http_json(base + "/v1/chat/completions", chat_body)[0] == 401
+        log = running.container.log()
+        assert "VLLM_API_KEY is not set" not in log
+        assert POD_KEY not in log
     finally:
         running.container.kill()
 
 
 # -- Option 2: the model inside ----------------------------------------------------------------
-def test_option2_serves_the_baked_model_offline(
-    containers: Containers, option2: Build, hub: FakeHub, job_api: FakeJobApi, tmp_path: Path
+def test_option2_serves_the_baked_model_offline_in_lb_mode(
+    containers: Containers, option2: Build, hub: FakeHub, tmp_path: Path
 ) -> None:
-    # The container's HF_ENDPOINT is the stand-in, which counts every request; no MODEL_NAME
-    # and no HF_HUB_OFFLINE: the image's /local_model_args.json must suffice.
+    """Option 2 as a load-balancing endpoint runs it: vLLM's own API on $PORT, health on
+    /ping. The container's HF_ENDPOINT is the stand-in, which counts every request; no
+    MODEL_NAME and no HF_HUB_OFFLINE: the image's /local_model_args.json must suffice."""
     mark = hub.count()
-    running = containers.start(option2.tag, job_api.env("option2"), tmp_path / "option2.log")
+    port = free_port()
+    running = containers.start(option2.tag, {"WORKER_MODE": "lb", "PORT": str(port)},
+                               tmp_path / "option2.log")
+    base = f"http://127.0.0.1:{port}"
     try:
-        wait_taking_jobs(running)
-        record = run_job(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 4}})
-        assert record.done["output"][0]["usage"]["completion_tokens"] > 0
+        wait_http(base + LB_HEALTH, running.container)
+        status, models = http_json(base + "/v1/models")
+        assert status == 200, models
+        [model] = [entry["id"] for entry in models["data"]]
+        status, chat = http_json(base + "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "ignore_eos": True})
+        assert status == 200 and chat["usage"]["completion_tokens"] == 3, chat
+        assert http_json(base + LB_HEALTH)[0] == 200
         launch = next(line for line in running.container.log().splitlines()
                       if "launching:" in line)
         assert f"/models/models--acme--tiny-gated/snapshots/{hub.commit}" in launch, launch
@@ -444,27 +445,34 @@ def test_option2_a_diagnosed_start_failure_answers_jobs(
         running.container.kill()
 
 
-def blobs_text(layout: Path) -> bytes:
+def blobs_text(layout: Path, made_before: set[str]) -> tuple[bytes, int]:
     """Every blob of an OCI layout (layers, config, manifest), gzip layers decompressed
-    (buildah reuses the compressed blobs it already has), concatenated."""
+    (buildah reuses the compressed blobs it already has), concatenated; and how many there
+    were. A blob whose digest is in ``made_before`` (a layer of the base, content-addressed:
+    the same bytes as the base's own, made before the build had any secret) is left out."""
     blobs = []
     for path in sorted((layout / "blobs").rglob("*")):
-        if path.is_file():
+        if path.is_file() and f"{path.parent.name}:{path.name}" not in made_before:
             data = path.read_bytes()
             blobs.append(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
-    return b"\n".join(blobs)
+    return b"\n".join(blobs), len(blobs)
 
 
 def test_the_build_secret_is_in_no_layer_config_history_or_build_log(
-    bed: ImageBed, option2: Build, hub: FakeHub, build_dir: Path
+    bed: ImageBed, base_tags: list[str], option2: Build, hub: FakeHub, build_dir: Path
 ) -> None:
     used = [r for r in hub.requests if r.token == BUILD_TOKEN and "/resolve/" in r.path]
     assert used, "the build never used the secret: the stand-in Hub saw no authorized download"
+    base_layers = set(bed.inspect(base_tags[0])["OCIv1"]["rootfs"]["diff_ids"])
+    image_layers = bed.inspect(option2.tag)["OCIv1"]["rootfs"]["diff_ids"]
+    assert base_layers and base_layers < set(image_layers), "the image is not over the base"
     layout = bed.export(option2.tag, build_dir / "option2-oci")
     try:
-        blobs = blobs_text(layout)
+        blobs, scanned = blobs_text(layout, base_layers)
     finally:
         shutil.rmtree(layout)  # gigabytes
+    # The build's own layers, the config and the manifest (and the index).
+    assert scanned >= len(image_layers) - len(base_layers) + 2, scanned
     inspected = json.dumps(bed.inspect(option2.tag))
     # The scan sees what the layers and the history hold: the baked snapshot and the build's
     # arguments are there.

@@ -59,7 +59,7 @@ COVERAGE: dict[str, str] = {
         f"{IMAGE_TEST}::test_serverless_answers_prompt_messages_stream_and_a_route",
     "HF_TOKEN=hf_... docker build -t worker-vllm:qwen3 --build-arg MODEL_NAME=Qwen/Qwen3-0.6B "
     "--secret id=HF_TOKEN,env=HF_TOKEN .":
-        f"{IMAGE_TEST}::test_option2_serves_the_baked_model_offline",
+        f"{IMAGE_TEST}::test_option2_serves_the_baked_model_offline_in_lb_mode",
     "MODEL_NAME=Qwen/Qwen3-0.6B MAX_MODEL_LEN=8192 ENFORCE_EAGER=true "
     "ENABLE_PREFIX_CACHING=false SERVED_MODEL_NAME=\"qwen qwen-small\" "
     "VLLM_EXTRA_ARGS=\"--max-num-seqs 64\" .venv/bin/python -m worker --dry-run":

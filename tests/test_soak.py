@@ -89,11 +89,11 @@ def test_soak_against_the_real_vllm(tmp_path: Path, tiny_env: dict[str, str]) ->
 def test_the_soak_script_prints_and_writes_the_figures(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--part", "fake", "--jobs", "60",
-         "--warmup", "20", "--json", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--part", "fake", "--jobs", "20",
+         "--warmup", "10", "--json", str(out)],
         env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== soak against the fake vLLM: 80 jobs (20 warm-up)" in done.stdout
+    assert "== soak against the fake vLLM: 30 jobs (10 warm-up)" in done.stdout
     [figures_of_run] = json.loads(out.read_text())
-    assert figures_of_run["jobs"] == 80 and figures_of_run["problems"] == []
+    assert figures_of_run["jobs"] == 30 and figures_of_run["problems"] == []
     assert len(figures_of_run["points"]) == 12  # idle, ten tenths, idle
