@@ -74,6 +74,14 @@ class LbWorker:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def alive(self) -> bool:
+        return self.worker.proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop polling, then the worker and everything it started."""
+        self.health.stop()
+        self.worker.kill()
+
     def wait_for_status(self, status: int, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -127,12 +127,11 @@ class HubLb:
     files: dict[str, bytes]
 
     def alive(self) -> bool:
-        return self.lb.worker.proc.poll() is None
+        return self.lb.alive()
 
     def stop(self) -> None:
         try:
-            self.lb.health.stop()
-            self.lb.worker.kill()
+            self.lb.stop()
         finally:
             self.hub.__exit__(None, None, None)
 

@@ -429,11 +429,10 @@ class LbBed:
     vllm_url: str
 
     def alive(self) -> bool:
-        return self.worker.worker.proc.poll() is None
+        return self.worker.alive()
 
     def stop(self) -> None:
-        self.worker.health.stop()
-        self.worker.worker.kill()
+        self.worker.stop()
 
 
 pooled("lb", "adapters-lb")

@@ -31,8 +31,7 @@ def lb_workers() -> Iterator[list[LbWorker]]:
     started: list[LbWorker] = []
     yield started
     for lb in started:
-        lb.health.stop()
-        lb.worker.kill()
+        lb.stop()
 
 
 def start(env: dict[str, str], tmp_path: Path, started: list[LbWorker], *,

@@ -212,12 +212,11 @@ class LbSpeech:
     vllm_url: str
 
     def alive(self) -> bool:
-        return self.lb.worker.proc.poll() is None
+        return self.lb.alive()
 
     def stop(self) -> None:
         try:
-            self.lb.health.stop()
-            self.lb.worker.kill()
+            self.lb.stop()
         finally:
             self.relay.__exit__(None, None, None)
 

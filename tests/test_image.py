@@ -448,11 +448,22 @@ def test_option2_a_diagnosed_start_failure_answers_jobs(
 def blobs_text(layout: Path, made_before: set[str]) -> tuple[bytes, int]:
     """Every blob of an OCI layout (layers, config, manifest), gzip layers decompressed
     (buildah reuses the compressed blobs it already has), concatenated; and how many there
-    were. A blob whose digest is in ``made_before`` (a layer of the base, content-addressed:
-    the same bytes as the base's own, made before the build had any secret) is left out."""
+    were. A layer whose content (its diff id, the digest of its uncompressed tar) is in
+    ``made_before`` is left out: a layer of the base, the same bytes as the base's own, made
+    before the build had any secret."""
+    def blob(digest: str) -> Path:
+        algorithm, hex_digest = digest.split(":", 1)
+        return layout / "blobs" / algorithm / hex_digest
+
+    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    manifest = json.loads(blob(entry["digest"]).read_text())
+    config = json.loads(blob(manifest["config"]["digest"]).read_text())
+    skipped = {layer["digest"] for layer, diff_id
+               in zip(manifest["layers"], config["rootfs"]["diff_ids"], strict=True)
+               if diff_id in made_before}
     blobs = []
     for path in sorted((layout / "blobs").rglob("*")):
-        if path.is_file() and f"{path.parent.name}:{path.name}" not in made_before:
+        if path.is_file() and f"{path.parent.name}:{path.name}" not in skipped:
             data = path.read_bytes()
             blobs.append(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
     return b"\n".join(blobs), len(blobs)

@@ -42,8 +42,7 @@ def start_lb(tmp_path: Path) -> Iterator[StartLb]:
 
     yield start
     for lb in started:
-        lb.health.stop()
-        lb.worker.kill()
+        lb.stop()
 
 
 def after_first_answer(statuses: list[int | None]) -> list[int | None]:
