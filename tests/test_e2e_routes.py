@@ -19,6 +19,7 @@ from httpx_sse._decoders import SSEDecoder
 
 from tests.fake_job_api import JobRecord
 from tests.serving import Serving
+from tests.worker_process import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -210,14 +211,12 @@ def cancel_after_the_first_piece(serving: Serving, job_input: Any,
     job = serving.api.submit(job_input)
     if streaming is None:
         serving.api.wait_stream(job, count=1, timeout=120)
-    while streaming is not None and not streaming():
-        assert time.monotonic() < submitted + 120, "vLLM's stream did not begin"
-        time.sleep(0.01)
+    else:
+        wait_until(streaming, "vLLM's stream never began", poll=0.01)
     cancelled_at = time.monotonic()
     serving.api.cancel(job)
-    while metric(serving, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < cancelled_at + 120, "vLLM still generates after the cancel"
-        time.sleep(0.05)
+    wait_until(lambda: metric(serving, "vllm:num_requests_running") == 0,
+               "vLLM still generates after the cancel")
     # /metrics itself answers slowly while vLLM is busy: the time is a figure, not a check.
     sent = serving.api.stop_sent.get(job, math.nan)
     print(f"cancelled {cancelled_at - submitted:.2f} s after the submit; the stop reached the "

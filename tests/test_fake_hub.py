@@ -110,11 +110,12 @@ def test_latency_bandwidth_outages_and_the_count(tmp_path: Path) -> None:
         started = time.monotonic()
         with urllib.request.urlopen(url) as answer:
             assert len(answer.read()) == 40_000
-        # The latency, then 40 kB at 100 kB/s: the last of ten 4 kB pieces goes out 0.37 s
-        # after the first. A lower bound on the stand-in's own sleeps (time.sleep never ends
-        # early, and its token bucket never pays back time lost to a slow machine), so a
-        # slow machine cannot break it; no upper bound, which one could.
-        assert time.monotonic() - started >= 0.2 + 0.3
+        # The latency, then 40 kB at 100 kB/s: the last of ten 4 kB pieces goes out 0.36 s
+        # after the first. A lower bound on the stand-in's own sleeps, taken from its settings
+        # (time.sleep never ends early, and its token bucket never pays back time lost to a
+        # slow machine), so a slow machine cannot break it; no upper bound, which one could.
+        paced = hub.latency + (40_000 - 4_096) / hub.bandwidth
+        assert time.monotonic() >= started + paced
         while hub.count() < 1:  # recorded once the body is sent
             time.sleep(0.01)
         assert hub.requests[-1].sent == 40_000 and hub.bytes_sent() == 40_000

@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,6 +24,17 @@ def base_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def wait_until(done: Callable[[], bool], never: str, timeout: float = 120.0,
+               poll: float = 0.05) -> None:
+    """Return once ``done()``; fail with ``never`` (what never happened) after ``timeout``
+    seconds, a bound on the wait only, generous for a machine that stands still."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{never} (waited {timeout:g} s)")
+        time.sleep(poll)
 
 
 _ERROR_LINE = re.compile(r"(?:^|[\s\]])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception):")
