@@ -18,8 +18,8 @@ Each hold's end is kept in :attr:`FakeOpenAI.holds`: ``"released"`` or ``"limit"
 Faults of the server itself, for the soak: ``POST /fake/listener {"down": S}`` restarts the
 listener: for S seconds new connections are refused, idle keep-alive connections are
 closed at once and those serving a request after it. ``/metrics`` counts the requests and
-streams in progress (``fake_active_requests``, ``fake_active_streams``) and the requests
-``drop_next`` reset (``fake_dropped_requests``).
+streams in progress (``fake_active_requests``, ``fake_active_streams``), the streams held now
+(``fake_held_streams``) and the requests ``drop_next`` reset (``fake_dropped_requests``).
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class FakeOpenAI:
         dropped = sum(1 for body in self.requests if isinstance(body, dict) and body.get("dropped"))
         return web.Response(text=f"fake_active_streams {self.active_streams}\n"
                                  f"fake_active_requests {self.active_requests}\n"
+                                 f"fake_held_streams {len(self._held)}\n"
                                  f"fake_dropped_requests {dropped}\n",
                             content_type="text/plain")
 

@@ -29,17 +29,18 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.fake_job_api import FakeJobApi, JobFaults, JobRecord, peak_in_flight
 from tests.fake_openai import expected_stream
 from tests.fake_vllm import free_port, launch_worker
 from tests.serving import Serving
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, wait_until
 
 MODEL = "fake-org/fake-model"
 CONCURRENCY = 64
@@ -52,11 +53,24 @@ class FakeServing:
 
     api: FakeJobApi
     worker: WorkerProcess
+    vllm_url: str  # the fake vLLM's
     baseline: int = 0  # POSTs the SDK had dropped when the current test began
 
     def dropped_posts(self) -> int:
         """POSTs the SDK gave up on so far (it logs each one)."""
         return self.worker.log().count(POST_FAILED)
+
+    def held_streams(self) -> int:
+        """Streams the fake vLLM holds now (``hold_after``), from its /metrics."""
+        metrics = httpx.get(self.vllm_url + "/metrics", timeout=30).text
+        return int(metrics.split("fake_held_streams ")[1].split()[0])
+
+    def release_when_held(self, count: int, also: Callable[[], bool] = lambda: True) -> None:
+        """Wait until ``count`` streams are held (and ``also()``), then let them go on."""
+        wait_until(lambda: self.held_streams() == count and also(),
+                   f"the fake vLLM never held {count} streams at once")
+        released = httpx.post(self.vllm_url + "/fake/release", timeout=120).json()["released"]
+        assert released == count
 
     def submit_all(self, inputs: list[dict[str, Any]]) -> list[str]:
         return [self.api.submit(job_input) for job_input in inputs]
@@ -74,7 +88,7 @@ def fake_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServi
         api.health_url = f"http://127.0.0.1:{port}/health"  # checked at the first job-take
         worker = launch_worker(api.env(), tmp, model=MODEL, concurrency=CONCURRENCY, port=port)
         try:
-            yield FakeServing(api, worker)
+            yield FakeServing(api, worker, f"http://127.0.0.1:{port}")
         finally:
             worker.kill()
     assert api.health_violations == []
@@ -91,12 +105,16 @@ def serving(fake_serving: FakeServing) -> Iterator[FakeServing]:
 
 
 def stream_job(events: int, *, delay: float = 0.0, split: bool = False,
-               max_batch_size: int | None = None) -> dict[str, Any]:
-    """A streaming completion job the fake vLLM answers with ``expected_stream(events)``."""
+               max_batch_size: int | None = None,
+               hold_after: int | None = None) -> dict[str, Any]:
+    """A streaming completion job the fake vLLM answers with ``expected_stream(events)``
+    (held after ``hold_after`` events until the test releases it)."""
+    fake: dict[str, Any] = {"events": events, "delay": delay, "split": split}
+    if hold_after is not None:
+        fake["hold_after"] = hold_after
     job: dict[str, Any] = {
         "openai_route": "/v1/completions",
-        "openai_input": {"prompt": "x", "stream": True,
-                         "fake": {"events": events, "delay": delay, "split": split}},
+        "openai_input": {"prompt": "x", "stream": True, "fake": fake},
     }
     if max_batch_size is not None:
         job["max_batch_size"] = max_batch_size
@@ -119,36 +137,44 @@ def assert_byte_exact(record: JobRecord, events: int) -> None:
 
 
 def test_64_concurrent_streams_are_byte_exact_and_in_order(serving: FakeServing) -> None:
-    # ~100 events each, ~0.5 s per stream so that all 64 overlap; a quarter have each event
-    # written in two pieces cut inside a UTF-8 character; half yield per event (the most
-    # POSTs), half with the default growing batches.
+    # ~100 events each; a quarter have each event written in two pieces cut inside a UTF-8
+    # character; half yield per event (the most POSTs), half with the default growing
+    # batches. The fake vLLM holds every stream after 40 events until all 64 are held, so
+    # the 64 are in flight at once whatever the pace of this machine.
     inputs = [
-        stream_job(95 + i % 11, delay=0.005, split=i % 4 == 0,
-                   max_batch_size=1 if i % 2 else None)
+        stream_job(95 + i % 11, delay=0.002, split=i % 4 == 0,
+                   max_batch_size=1 if i % 2 else None, hold_after=40)
         for i in range(CONCURRENCY)
     ]
-    records = serving.wait_all(serving.submit_all(inputs), timeout=60)
+    ids = serving.submit_all(inputs)
+    serving.release_when_held(CONCURRENCY)
+    records = serving.wait_all(ids, timeout=180)
     for record, job_input in zip(records, inputs, strict=True):
         assert_byte_exact(record, events_of(job_input))
     posts = sum(len(r.stream) for r in records)
-    peak = peak_in_flight(records)
     # Their time: scripts/bench_load.py --jobs 64 (jobs/s, job latency).
-    print(f"64 streams: {posts} stream posts, peak {peak} jobs in flight")
-    assert peak >= CONCURRENCY // 2, "the jobs did not run concurrently"
+    print(f"64 streams: {posts} stream posts")
+    assert peak_in_flight(records) == CONCURRENCY
     assert serving.dropped_posts() == serving.baseline
 
 
 def test_slow_job_api_loses_no_byte_and_keeps_order(serving: FakeServing) -> None:
-    # Every POST takes 50 ms while vLLM streams 100 events over ~1 s: the relay must buffer
+    # Every POST takes 50 ms while vLLM streams 100 events 10 ms apart: the relay must buffer
     # what arrives during each POST and hand it out, whole and in order, on the next yield.
+    # Each stream is held after 50 events until every job has had a POST, so none arrives
+    # as one final lump whatever the pace of this machine.
     serving.api.post_delay = 0.05
-    inputs = [stream_job(100, delay=0.01, split=i % 2 == 0, max_batch_size=1)
+    inputs = [stream_job(100, delay=0.01, split=i % 2 == 0, max_batch_size=1, hold_after=50)
               for i in range(16)]
-    records = serving.wait_all(serving.submit_all(inputs), timeout=60)
+    ids = serving.submit_all(inputs)
+    serving.release_when_held(
+        16, also=lambda: all(serving.api.jobs[job].stream for job in ids))
+    records = serving.wait_all(ids, timeout=180)
     for record in records:
         assert_byte_exact(record, 100)
-        # Coalesced while a POST was in flight, yet still streamed (not one final lump).
-        assert 5 <= len(record.stream) < 100, len(record.stream)
+        # Streamed (a POST before the hold and after it), and coalesced while a POST was in
+        # flight (fewer POSTs than events, with max_batch_size 1).
+        assert 2 <= len(record.stream) < 100, len(record.stream)
     assert serving.dropped_posts() == serving.baseline
 
 
