@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
-"""Rewrite the generated tables of docs/configuration.md from the code, so that the two never
-disagree.
+"""Rewrite the generated tables of docs/configuration.md and docs/jobs.md from the code, so
+that the two never disagree.
 
-    python scripts/gen_docs.py          # rewrite docs/configuration.md in place
-    python scripts/gen_docs.py --check  # exit 1 (and say which) when the page is stale
+    python scripts/gen_docs.py          # rewrite the pages in place
+    python scripts/gen_docs.py --check  # exit 1 (and say which) when a page is stale
 
 Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; only the
-text between them is replaced. The sources:
+text between them is replaced. The sources, in docs/configuration.md:
 
 * ``settings``: the rows of :data:`worker.settings.SETTINGS` an endpoint sets;
 * ``internal-settings``: its rows the image, the tests and the maintainers' tools set;
 * ``aliases``: :data:`worker.command.ALIASES` (names kept from earlier releases);
 * ``reserved``: the flags the worker pins or refuses (:mod:`worker.command`);
 * ``retired``: :data:`worker.names.RETIRED` (variables of flags vLLM removed);
-* ``earlier``: :data:`worker.names.EARLIER_NAMES` (names the earlier worker read itself).
+* ``earlier``: :data:`worker.names.EARLIER_NAMES` (names the earlier worker read itself);
+
+and in docs/jobs.md:
+
+* ``sampling-params``: :data:`worker.request_fields.DOCUMENTED_SAMPLING_PARAMS` and the
+  guided-decoding fields, each with its fate in the packaged catalog's vLLM (the fields of its
+  requests, :mod:`worker.request_fields`).
 
 tests/test_readme.py fails when the page holds anything else than what this prints.
 """
@@ -34,10 +40,16 @@ from worker.command import (  # noqa: E402 - after the path set-up above
     FORBIDDEN_FLAGS,
     PINNED_FLAGS,
 )
+from worker.flags import FlagCatalog, packaged_catalog_path  # noqa: E402
 from worker.names import EARLIER_NAMES, RETIRED  # noqa: E402
+from worker.request_fields import (  # noqa: E402
+    DOCUMENTED_SAMPLING_PARAMS,
+    GUIDED_FIELDS,
+    RETIRED_FIELDS,
+)
 from worker.settings import SETTINGS, Setting, format_value  # noqa: E402
 
-PAGE = ROOT / "docs" / "configuration.md"
+DOCS = ROOT / "docs"
 
 
 def _cell(text: str) -> str:
@@ -108,6 +120,35 @@ def earlier_table() -> str:
     return _advice_table(EARLIER_NAMES)
 
 
+def sampling_params_table() -> str:
+    """Each documented sampling parameter, and vLLM's former guided-decoding fields, with what
+    a prompt job and a messages job do with it in the packaged catalog's vLLM."""
+    catalog = FlagCatalog.load(packaged_catalog_path())
+    known = catalog.request_fields
+    if known is None:
+        raise ValueError("the packaged catalog has no request fields: dump it again")
+    def refused(name: str) -> str:
+        return f"Removed from vLLM: the job fails with `invalid_request`; {RETIRED_FIELDS[name]}."
+
+    rows = []
+    for name, meaning in DOCUMENTED_SAMPLING_PARAMS.items():
+        fates = ["sent" if name in known.of(kind) else "refused"
+                 for kind in ("completion", "chat")]
+        if "sent" not in fates:
+            meaning = refused(name)
+        rows.append((f"`{name}`", *fates, meaning))
+    for name, target in GUIDED_FIELDS.items():
+        rows.append((f"`{name}`", f"as `structured_outputs.{target}`",
+                     f"as `structured_outputs.{target}`",
+                     "Removed from vLLM, which would drop it and answer unconstrained: sent as "
+                     "the `structured_outputs` field with the same meaning, with a warning "
+                     "in the worker's log (once)."))
+    name = "guided_decoding_backend"
+    rows.append((f"`{name}`", "refused", "refused", refused(name)))
+    return _table(("Field", "Prompt job", "Messages job", f"What vLLM {catalog.version} does"),
+                  rows)
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
     "internal-settings": internal_settings_table,
@@ -116,14 +157,20 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "retired": retired_table,
     "earlier": earlier_table,
 }
+#: The pages with generated tables, and their tables.
+PAGES: dict[str, dict[str, Callable[[], str]]] = {
+    "configuration.md": SECTIONS,
+    "jobs.md": {"sampling-params": sampling_params_table},
+}
 
 
-def render(text: str) -> str:
+def render(text: str, sections: Mapping[str, Callable[[], str]] = SECTIONS,
+           page: str = "configuration.md") -> str:
     """``text`` with every marked section replaced by its generated table."""
-    for name, make in SECTIONS.items():
+    for name, make in sections.items():
         start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
         if text.count(start) != 1 or text.count(end) != 1:
-            raise ValueError(f"{PAGE.name} must hold {start} and {end} once each")
+            raise ValueError(f"{page} must hold {start} and {end} once each")
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         text = f"{head}{start}\n{make()}\n{end}{tail}"
@@ -133,20 +180,23 @@ def render(text: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gen_docs.py", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help="change nothing; exit 1 when the page is out of date")
+                        help="change nothing; exit 1 when a page is out of date")
     args = parser.parse_args(argv)
-    current = PAGE.read_text(encoding="utf-8")
-    wanted = render(current)
-    name = f"{PAGE.parent.name}/{PAGE.name}"
-    if args.check:
-        if wanted != current:
+    stale = 0
+    for page, sections in PAGES.items():
+        path = DOCS / page
+        current = path.read_text(encoding="utf-8")
+        wanted = render(current, sections, page)
+        name = f"{path.parent.name}/{path.name}"
+        if wanted == current:
+            continue
+        if args.check:
             print(f"{name} is out of date: run python scripts/gen_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    if wanted != current:
-        PAGE.write_text(wanted, encoding="utf-8")
-        print(f"{name} updated", file=sys.stderr)
-    return 0
+            stale += 1
+        else:
+            path.write_text(wanted, encoding="utf-8")
+            print(f"{name} updated", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -61,9 +61,13 @@ def section(text: str, heading: str) -> str:
     return after[: ends.start()] if ends else after
 
 
-def table_rows(text: str, header: str) -> list[list[str]]:
-    """The cells of each row of the table whose header line starts with ``header``."""
-    after = text.split(header, 1)[1]
-    lines = after.split("\n\n", 1)[0].splitlines()[2:]  # the rest of the header, the rule
-    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
-            for line in lines if line.startswith("|")]
+def table_rows(text: str, header: str, *, every: bool = False) -> list[list[str]]:
+    """The cells of each row of the (``every``: each) table whose header line starts with
+    ``header``."""
+    tables = text.split(header)[1:] if every else [text.split(header, 1)[1]]
+    rows = []
+    for after in tables:
+        lines = after.split("\n\n", 1)[0].splitlines()[2:]  # the rest of the header, the rule
+        rows += [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
+                 for line in lines if line.startswith("|")]
+    return rows

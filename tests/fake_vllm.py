@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,11 @@ if str(ROOT) not in sys.path:  # run as a script by the worker, not imported by 
 
 from tests.fake_openai import FakeOpenAI  # noqa: E402
 from tests.worker_process import WorkerProcess  # noqa: E402
+from worker.flags import (  # noqa: E402
+    FlagCatalog,
+    packaged_catalog_path,
+    write_json_atomically,
+)
 
 
 class ForegroundFakeOpenAI(FakeOpenAI):
@@ -122,12 +128,27 @@ def free_port() -> int:
         return port
 
 
+def write_catalog(directory: Path) -> Path:
+    """This stand-in's flag catalog: the packaged vLLM's, whose requests also take the
+    stand-in's steering field ``fake`` (a prompt job's ``sampling_params`` may carry it, as
+    they may carry any field of the vLLM that runs: worker/request_fields.py)."""
+    catalog = FlagCatalog.load(packaged_catalog_path())
+    fields = catalog.request_fields
+    assert fields is not None, "the packaged catalog has no request fields"
+    fields = replace(fields, completion=fields.completion | {"fake"},
+                     chat=fields.chat | {"fake"})
+    path = directory / "stand-in-vllm-flags.json"
+    write_json_atomically(replace(catalog, request_fields=fields).to_json(), path)
+    return path
+
+
 def fake_vllm_env(tmp: Path, model: str = "fake-model", *,
                   executable: Path | None = None) -> dict[str, str]:
     """A worker's environment on this stand-in: its wrapper as ``vllm`` (or ``executable``),
-    a model on no hub (no pre-flight call), and a cache of its own (never the user's
-    flag-catalog cache)."""
+    its catalog (:func:`write_catalog`), a model on no hub (no pre-flight call), and a cache
+    of its own (never the user's flag-catalog cache)."""
     return {"VLLM_EXECUTABLE": str(executable or write_wrapper(tmp / "bin")),
+            "VLLM_FLAG_CATALOG": str(write_catalog(tmp)),
             "MODEL_NAME": model, "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp / "cache")}
 
 

@@ -364,6 +364,7 @@ def test_the_catalog_step_writes_the_catalog_the_worker_ships(
     packaged = FlagCatalog.load(packaged_catalog_path())
     assert dumped.version.split("+")[0] == PACKAGED_VERSION
     assert dumped.flags == packaged.flags
+    assert dumped.request_fields == packaged.request_fields is not None
 
 
 # Makes the CPU build behave like the official CUDA image on a builder without a GPU: vLLM's
@@ -388,8 +389,10 @@ def test_the_catalog_dump_works_on_a_gpu_less_builder(
         step = _dump_step(build_context, tmp_path / name, vllm_python,
                           extra_path=simulation, target_device=target_device)
         assert step.returncode == 0, step.stderr[-2000:]
-        assert FlagCatalog.load(tmp_path / name).flags == \
-            FlagCatalog.load(packaged_catalog_path()).flags
+        dumped = FlagCatalog.load(tmp_path / name)
+        packaged = FlagCatalog.load(packaged_catalog_path())
+        assert dumped.flags == packaged.flags
+        assert dumped.request_fields == packaged.request_fields is not None
 
 
 # -- scripts/download_model.py -----------------------------------------------------------------

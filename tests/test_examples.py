@@ -22,6 +22,7 @@ RUNPOD_ENDPOINT_ID / RUNPOD_API_KEY, and what it says when they are missing.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -59,6 +60,7 @@ LOCAL_API_EXAMPLES = ("requests_runsync", "requests_run_status", "requests_strea
 #: Examples of the OpenAI-compatible API (BASE_URL = vLLM's own /v1).
 OPENAI_EXAMPLES = (
     "openai_chat", "openai_stream", "openai_completions", "openai_models", "anthropic_messages",
+    "openai_structured", "openai_tools", "openai_responses",
 )
 #: The speech-to-text example (BASE_URL = the local API of a worker serving a speech model),
 #: and the file it is given.
@@ -106,10 +108,20 @@ def start_local(argv: list[str], env: dict[str, str], model: Path, log: Path) ->
 
 def start_run_local(vllm_scratch: dict[str, str], log: Path) -> LocalWorker:
     """The README's first command, ``scripts/run_local.sh``, as a user runs it: the tiny model
-    it builds (in .cache/tiny-model) and its defaults, on free ports."""
+    it builds (in .cache/tiny-model) and its defaults, on free ports; set for tool calls and
+    for a small model's structured outputs as docs/requests.md says (examples/openai_tools.py,
+    examples/openai_structured.py)."""
     return start_local(["bash", str(ROOT / "scripts" / "run_local.sh")],
-                       {**vllm_scratch, "HF_HUB_OFFLINE": "1"}, ROOT / ".cache" / "tiny-model",
-                       log)
+                       {**vllm_scratch, "HF_HUB_OFFLINE": "1", **REQUESTS_SETTINGS},
+                       ROOT / ".cache" / "tiny-model", log)
+
+
+#: docs/requests.md's settings of an endpoint: tool calls, and JSON without free whitespace
+#: (a random model's answer would otherwise run out of tokens in whitespace).
+REQUESTS_SETTINGS = {
+    "TOOL_CALL_PARSER": "pythonic", "ENABLE_AUTO_TOOL_CHOICE": "true",
+    "STRUCTURED_OUTPUTS_CONFIG": '{"backend":"xgrammar","disable_any_whitespace":true}',
+}
 
 
 pooled("local_worker", "local")
@@ -225,6 +237,41 @@ def test_openai_stream_example(example_runs: dict[str, subprocess.CompletedProce
     chunks = int(re.search(r"chunks=(\d+)", stdout)[1])  # type: ignore[index]
     assert chunks > 2
     assert _generated_tokens(stdout) > 0
+
+
+@pytest.mark.vllm
+def test_the_structured_outputs_example_gets_answers_that_parse(
+    example_runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    lines = dict(line.split(": ", 1) for line in _completed(example_runs["openai_structured"])
+                 .splitlines() if ": " in line)
+    weather = ast.literal_eval(lines["json_schema"])
+    assert set(weather) == {"city", "sunny"} and isinstance(weather["sunny"], bool), weather
+    assert lines["choice"] in {"yes", "no"}
+    assert re.fullmatch(r"[0-9]{3}", lines["regex"]), lines["regex"]
+
+
+@pytest.mark.vllm
+def test_the_tools_example_gets_a_call_with_the_tools_parameters(
+    example_runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    [call] = _completed(example_runs["openai_tools"]).splitlines()
+    name, arguments = call.split("(", 1)
+    assert name == "get_weather"
+    parsed = ast.literal_eval(arguments.removesuffix(")"))
+    assert parsed["city"] in {"Paris", "London", "Tokyo"}
+    assert parsed["unit"] in {"celsius", "fahrenheit"} and set(parsed) == {"city", "unit"}
+
+
+@pytest.mark.vllm
+def test_the_responses_example_gets_a_whole_and_a_streamed_answer(
+    example_runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    stdout = _completed(example_runs["openai_responses"])
+    assert _generated_tokens(stdout) > 0
+    events = re.search(r"\[events=(\d+), first=([^,]+), last=([^\]]+)\]", stdout)
+    assert events is not None, stdout
+    assert (events[2], events[3]) == ("response.created", "response.completed")
 
 
 @pytest.mark.vllm

@@ -125,14 +125,22 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "request_fields", [[], {"completion": ["a"], "chat": [], "structured_outputs": []}])
+def test_a_catalog_with_malformed_request_fields_is_refused(request_fields: object) -> None:
+    data = {**_catalog_json(), "request_fields": request_fields}
+    with pytest.raises(ValueError, match="request_fields"):
+        FlagCatalog.from_json(data)
+
+
+@pytest.mark.parametrize(
     ("data", "needle"),
     [
         ([], "JSON object"),
         ({"schema": 99, "flags": [{}]}, "schema 99"),
-        ({"schema": 1, "flags": []}, "non-empty list"),
-        ({"schema": 1, "flags": [{"name": "--x"}]}, "malformed"),
-        ({"schema": 1, "flags": [{"name": "--x", "kind": "toggle"}]}, "unknown kind"),
-        ({"schema": 1, "flags": [{"name": "x", "kind": "value"}]}, "not a long option"),
+        ({"schema": 2, "flags": []}, "non-empty list"),
+        ({"schema": 2, "flags": [{"name": "--x"}]}, "malformed"),
+        ({"schema": 2, "flags": [{"name": "--x", "kind": "toggle"}]}, "unknown kind"),
+        ({"schema": 2, "flags": [{"name": "x", "kind": "value"}]}, "not a long option"),
     ],
 )
 def test_invalid_catalogs(data: object, needle: str) -> None:
@@ -262,7 +270,7 @@ def test_dump_once_then_cache(tmp_path: Path) -> None:
     assert note.startswith(f"dumped by {python}") and "cached in" in note
     assert calls(tmp_path) == ["-c", "-m"]
     cached = list(cache.iterdir())
-    assert [p.name for p in cached] == ["vllm-flags-v1-9.9.9.json"]
+    assert [p.name for p in cached] == [f"vllm-flags-v{flags.SCHEMA_VERSION}-9.9.9.json"]
     assert oct(cached[0].stat().st_mode & 0o777) == "0o644"
 
     again, note = resolve_catalog(str(python), cache, None, print, env=HOST)
@@ -275,12 +283,12 @@ def test_a_corrupt_cache_is_dumped_again(tmp_path: Path) -> None:
     python = fake_python(tmp_path)
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "vllm-flags-v1-9.9.9.json").write_text("{")
+    (cache / f"vllm-flags-v{flags.SCHEMA_VERSION}-9.9.9.json").write_text("{")
     logged: list[str] = []
     catalog, note = resolve_catalog(str(python), cache, None, logged.append, env=HOST)
     assert catalog.version == "9.9.9" and note.startswith("dumped by")
     assert "unusable" in logged[0]
-    assert FlagCatalog.load(cache / "vllm-flags-v1-9.9.9.json") == catalog
+    assert FlagCatalog.load(cache / f"vllm-flags-v{flags.SCHEMA_VERSION}-9.9.9.json") == catalog
 
 
 @pytest.mark.parametrize("dump", ["fail", "hang"])
@@ -294,6 +302,8 @@ def test_a_failing_dump_falls_back_to_the_packaged_catalog(
     assert catalog.version == "0.32.0"
     assert note.startswith("packaged vllm-0.32.0.json")
     assert "installed vLLM is 9.9.9" in note
+    # Another vLLM's request fields would refuse the fields new in this one: none are checked.
+    assert catalog.request_fields is None and "request fields are sent unchecked" in note
     assert len(logged) == 1 and f"could not dump the flag catalog with {python}" in logged[0]
     if dump == "fail":
         assert "No module named vllm" in logged[0]

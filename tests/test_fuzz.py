@@ -15,7 +15,8 @@ For every job it checks the contract the SDK and the users rely on:
 * the items are the backend's answer, well formed (a stream relayed byte for byte, whole
   events), or end with exactly one ``{"error": <JSON text>}`` whose object has a type of the
   documented set and, for an invalid input, is exactly
-  ``{"type": "invalid_request", "code": 400, "message": str}`` with nothing sent;
+  ``{"type": "invalid_request", "code": 400, "message": str}`` (and ``"param"``, the field
+  it names, when one field is the cause) with nothing sent;
 * every request the backend saw went to 127.0.0.1:8000 with GET/POST/DELETE and a path
   obeying the route rules (no '.'/'..' segment after percent-decoding, no '//', no
   backslash, no control character, no whitespace);
@@ -44,6 +45,7 @@ from hypothesis import strategies as st
 
 from tests.fake_openai import sse_event
 from worker.errors import ConfigError
+from worker.flags import FlagCatalog, packaged_catalog_path
 from worker.handler import Proxy
 from worker.settings import Settings
 
@@ -208,7 +210,9 @@ def harness() -> Iterator[Harness]:
     # A loop of our own, never installed as the current one, so pytest-asyncio's are untouched.
     loop = asyncio.new_event_loop()
     backend = Backend()
-    proxy = Proxy(Settings(vllm_port=PORT), served_model=MODEL,
+    # The job fields the packaged vLLM's requests read, as a worker on the image has them.
+    fields = FlagCatalog.load(packaged_catalog_path()).request_fields
+    proxy = Proxy(Settings(vllm_port=PORT), served_model=MODEL, request_fields=fields,
                   transport=httpx.MockTransport(backend))
     harness = Harness(loop, backend, proxy)
     loop.set_exception_handler(lambda _loop, context: harness.loop_errors.append(context))
@@ -254,8 +258,10 @@ def parsed_error(item: dict[str, Any]) -> dict[str, Any]:
     assert error["type"] in PROXY_ERROR_TYPES, error
     assert isinstance(error.get("message"), str) and isinstance(error.get("code"), int), error
     if error["type"] == "invalid_request":
-        assert error == {"type": "invalid_request", "code": 400, "message": error["message"]}
-        assert error["message"]
+        named = {"param": error["param"]} if "param" in error else {}
+        assert error == {"type": "invalid_request", "code": 400, "message": error["message"],
+                         **named}
+        assert error["message"] and all(isinstance(v, str) and v for v in named.values())
     return error
 
 

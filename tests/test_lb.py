@@ -150,14 +150,16 @@ def test_vllm_dying_mid_stream_ends_it_with_an_error_and_the_worker_exits_1(
     lb.wait_for_status(200, timeout=60)
     [pid] = lb.worker.vllm_pids()
     received = bytearray()
+    # The stand-in holds its stream after its first event: vLLM dies one event in, however
+    # long this machine takes to get the kill out.
     with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
-            "prompt": "x", "stream": True, "fake": {"events": 100, "delay": 0.05}}) as response:
+            "prompt": "x", "stream": True, "fake": {"events": 100, "hold_after": 1}}) as response:
         for chunk in response.iter_raw():
             if not received and chunk:
-                os.killpg(pid, signal.SIGKILL)  # the first piece is in: vLLM dies
+                os.killpg(pid, signal.SIGKILL)  # the first event is in: vLLM dies
             received += chunk
     events = [e for e in bytes(received).split(b"\n\n") if e]
-    assert len(events) < 100
+    assert len(events) == 2 and "choices" in json.loads(events[0].removeprefix(b"data: ")), events
     error = json.loads(events[-1].removeprefix(b"data: "))["error"]
     assert error["type"] == "backend_unavailable" and "vLLM exited with code" in error["message"]
     assert lb.worker.wait(30) == 1

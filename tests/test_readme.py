@@ -72,6 +72,12 @@ COVERAGE: dict[str, str] = {
     "python examples/openai_chat.py":
         f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_vllms_own_server",
     "python examples/openai_stream.py": f"{EXAMPLES_TEST}::test_openai_stream_example",
+    "python examples/openai_structured.py":
+        f"{EXAMPLES_TEST}::test_the_structured_outputs_example_gets_answers_that_parse",
+    "python examples/openai_tools.py":
+        f"{EXAMPLES_TEST}::test_the_tools_example_gets_a_call_with_the_tools_parameters",
+    "python examples/openai_responses.py":
+        f"{EXAMPLES_TEST}::test_the_responses_example_gets_a_whole_and_a_streamed_answer",
     "python examples/openai_completions.py":
         f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_vllms_own_server",
     "python examples/openai_models.py":
@@ -123,9 +129,11 @@ ERRORS = "errors.md"
 
 
 # -- generated tables --------------------------------------------------------------------
-def test_generated_tables_are_current() -> None:
-    text = docs.page(CONFIGURATION)
-    assert load_gen_docs().render(text) == text, "run: python scripts/gen_docs.py"
+@pytest.mark.parametrize("page", [CONFIGURATION, "jobs.md"])
+def test_generated_tables_are_current(page: str) -> None:
+    module = load_gen_docs()
+    text = docs.page(page)
+    assert module.render(text, module.PAGES[page], page) == text, "run: python scripts/gen_docs.py"
 
 
 def test_gen_docs_check_passes() -> None:
@@ -137,12 +145,14 @@ def test_gen_docs_check_passes() -> None:
 def test_gen_docs_check_fails_on_a_stale_table(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
     module = load_gen_docs()
+    for page in module.PAGES:
+        (tmp_path / page).write_text(docs.page(page))
     stale = tmp_path / "configuration.md"
     row = "| `MAX_CONCURRENCY` | `30` |"
     text = docs.page(CONFIGURATION)
     assert row in text
     stale.write_text(text.replace(row, row.replace("30", "3")))
-    monkeypatch.setattr(module, "PAGE", stale)
+    monkeypatch.setattr(module, "DOCS", tmp_path)
     assert module.main(["--check"]) == 1
     assert module.main([]) == 0
     assert stale.read_text() == text
@@ -261,6 +271,7 @@ def test_variable_to_flag_tables_are_what_the_worker_builds(header: str) -> None
     catalog = FlagCatalog.load(packaged_catalog_path())
     rows = docs.table_rows(docs.page(CONFIGURATION), header)
     assert len(rows) >= 6
+    rows += docs.table_rows(docs.page("requests.md"), header, every=True)
     for row in rows:
         variable, flag = (cell.strip("`") for cell in row[:2])
         [assignment] = shlex.split(variable)

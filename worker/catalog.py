@@ -9,6 +9,7 @@ cached); the packaged catalog of another version, as the last resort.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -153,7 +154,10 @@ def resolve_catalog(
     catalog = FlagCatalog.load(fallback)
     note = f"packaged {fallback.name} (vLLM {catalog.version})"
     if version and version.split("+", 1)[0] != catalog.version.split("+", 1)[0]:
-        note += f", installed vLLM is {version}: flags new in it are not mapped from env"
+        note += (f", installed vLLM is {version}: flags new in it are not mapped from env, "
+                 "and jobs' request fields are sent unchecked")
+        # Another vLLM's request fields would refuse the fields new in this one.
+        catalog = dataclasses.replace(catalog, request_fields=None)
     return catalog, note
 
 

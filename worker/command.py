@@ -183,7 +183,8 @@ def build_command(
     argv += [*flag_args, *extra, *worker_args, "--host", host, "--port", str(port)]
     _record(flags, "--host", FlagSetting(FlagSource("worker"), (host,)))
     _record(flags, "--port", FlagSetting(FlagSource("worker"), (str(port),)))
-    return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides)
+    return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides,
+                       request_fields=catalog.request_fields)
 
 
 def _enable_lora(

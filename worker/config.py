@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from worker.request_fields import RequestFields
 from worker.secrets import SecretMasker
 
 if TYPE_CHECKING:
@@ -142,6 +143,9 @@ class VllmCommand:
     warnings: tuple[str, ...] = ()
     env_overrides: Mapping[str, str] = field(default_factory=dict)
     model_sources: ModelSources | None = None
+    request_fields: RequestFields | None = None
+    """The fields the vLLM that runs reads in a completion and a chat request (from the flag
+    catalog; :mod:`worker.request_fields`), which a prompt or messages job is checked against."""
 
     def with_model_sources(self, sources: ModelSources) -> VllmCommand:
         """This command with what ``sources`` decided: its variables, and the revisions it pins

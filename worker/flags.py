@@ -24,12 +24,14 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from worker.request_fields import RequestFields, dump_request_fields
+
 #: Bumped whenever the JSON layout changes; a cached catalog of another schema is redumped.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 FlagKind = Literal["value", "bool_pair", "store_true", "store_false"]
 _KINDS: frozenset[str] = frozenset({"value", "bool_pair", "store_true", "store_false"})
@@ -124,6 +126,9 @@ class FlagCatalog:
     schema: int = SCHEMA_VERSION
     positionals: tuple[str, ...] = ()
     """Positional arguments of `vllm serve` (``model_tag`` since vLLM 0.5)."""
+    request_fields: RequestFields | None = None
+    """The fields of the same vLLM's completion and chat requests (:mod:`worker.request_fields`);
+    None when not known."""
     _by_option: dict[str, Flag] = field(init=False, repr=False, compare=False)
     _by_env: dict[str, Flag] = field(init=False, repr=False, compare=False)
 
@@ -174,6 +179,8 @@ class FlagCatalog:
             "schema": self.schema,
             "vllm_version": self.version,
             "positionals": list(self.positionals),
+            **({"request_fields": self.request_fields.to_json()}
+               if self.request_fields is not None else {}),
             "flags": [flag.to_json() for flag in self.flags],
         }
 
@@ -193,11 +200,14 @@ class FlagCatalog:
             parsed = tuple(Flag.from_json(item) for item in flags)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed flag entry: {exc!r}") from exc
+        request_fields = data.get("request_fields")
         return cls(
             version=str(data.get("vllm_version") or "unknown"),
             flags=parsed,
             schema=SCHEMA_VERSION,
             positionals=tuple(str(p) for p in data.get("positionals") or ()),
+            request_fields=(RequestFields.from_json(request_fields)
+                            if request_fields is not None else None),
         )
 
     @classmethod
@@ -278,6 +288,9 @@ def dump_catalog() -> dict[str, Any]:
     subparsers = root.add_subparsers(required=False, dest="subparser")
     serve = serve_cli.ServeSubcommand().subparser_init(subparsers)
     catalog = catalog_from_parser(serve, str(vllm.__version__))
+    request_fields = dump_request_fields()
+    if request_fields is not None:
+        catalog = replace(catalog, request_fields=RequestFields.from_json(request_fields))
     return {**catalog.to_json(), "generated_by": "python -m worker.flags dump"}
 
 
@@ -305,6 +318,9 @@ def format_catalog_json(data: Mapping[str, Any]) -> str:
         if key == "flags" and isinstance(value, list):
             body = ",\n".join("  " + json.dumps(v, ensure_ascii=False) for v in value)
             lines.append(f' "flags": [\n{body}\n ]')
+        elif key == "request_fields" and isinstance(value, dict):
+            body = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            lines.append(f' "request_fields": {{\n{body}\n }}')
         else:
             lines.append(f" {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"

@@ -42,6 +42,7 @@ from worker.errors import (
     WorkerError,
 )
 from worker.forms import httpx_parts
+from worker.request_fields import RequestFields
 from worker.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input
 from worker.settings import Settings
 
@@ -246,6 +247,7 @@ class Proxy:
         transport: httpx.AsyncBaseTransport | None = None,
         backend_failure: BackendFailureProbe | None = None,
         adapters: AdapterSources | None = None,
+        request_fields: RequestFields | None = None,
     ) -> None:
         if not _is_loopback(settings.base_url):
             raise ConfigError(
@@ -269,7 +271,10 @@ class Proxy:
                 max_delay=settings.default_max_batch_delay,
             ),
             max_tokens=settings.default_max_tokens,
+            request_fields=request_fields,
         )
+        # What the log has heard of jobs' fields: each note once, not once per job.
+        self._noted: set[str] = set()
         read_timeout = settings.request_timeout or None
         self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
 
@@ -311,6 +316,10 @@ class Proxy:
             if self._dead_reason is not None:
                 raise BackendUnavailable(self._dead_reason)
             request = parse_job_input(job.get("input"), self._job_defaults)
+            for note in request.notes:
+                if note not in self._noted:
+                    self._noted.add(note)
+                    logger.warning("%s (logged once)", note)
             request = await self._with_default_model(request)
             async for item in self._forward(request):
                 yield item

@@ -6,7 +6,8 @@ Three shapes are accepted (all under ``job["input"]``):
 * ``route`` + ``method`` + ``body`` — any vLLM route; with ``form`` and ``files`` instead
   of ``body``, a form upload (multipart/form-data, :mod:`worker.forms`) such as a speech
   model's ``/v1/audio/transcriptions``;
-* ``prompt`` / ``messages`` + ``sampling_params`` — the classic worker-vllm shape.
+* ``prompt`` / ``messages`` + ``sampling_params`` — the classic worker-vllm shape, whose fields
+  are checked against the running vLLM's request (:mod:`worker.request_fields`).
 
 Parsing is pure and strict: a job that does not fit gets an error naming the field and what
 was expected, and nothing is sent. Routes are checked so that no job can make the worker
@@ -25,6 +26,7 @@ from typing import Any
 
 from worker.errors import InvalidRequest
 from worker.forms import Form, has_form, parse_form
+from worker.request_fields import RequestFields, check_job_fields
 
 ALLOWED_METHODS = frozenset({"GET", "POST", "DELETE"})
 
@@ -58,10 +60,12 @@ class BatchPolicy:
 @dataclass(frozen=True)
 class JobDefaults:
     """What a job gets when it does not say: stream batching, and (for the prompt and
-    messages shapes) the number of tokens to generate (None: vLLM's own default)."""
+    messages shapes) the number of tokens to generate (None: vLLM's own default) and the
+    fields their requests may hold (None: not known, sent as written)."""
 
     batch: BatchPolicy = BatchPolicy()
     max_tokens: int | None = None
+    request_fields: RequestFields | None = None
 
 
 # Past this many events a batch means "everything buffered": it also keeps the arithmetic
@@ -85,7 +89,8 @@ class _BatchSizes:
 @dataclass(frozen=True)
 class VllmRequest:
     """One HTTP request to the local vLLM, derived from a job: a JSON ``body``, a ``form``
-    (multipart/form-data), or neither."""
+    (multipart/form-data), or neither. ``notes``: what the log should hear of the job's
+    fields (a former name sent under its new one)."""
 
     method: str
     route: str
@@ -93,6 +98,7 @@ class VllmRequest:
     stream: bool
     batch: BatchPolicy
     form: Form | None = None
+    notes: tuple[str, ...] = ()
 
 
 def check_route(route: object, field: str) -> str:
@@ -204,7 +210,7 @@ def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) ->
         return VllmRequest(method, route, body, _stream_flag(body, "body"), batch)
 
     if "messages" in job_input or "prompt" in job_input:
-        return _classic_request(job_input, batch, defaults.max_tokens)
+        return _classic_request(job_input, batch, defaults)
 
     raise InvalidRequest(
         "The job's input has no known shape: give 'messages' or 'prompt' (with optional "
@@ -231,7 +237,7 @@ def _form_request(
 
 
 def _classic_request(
-    job_input: Mapping[str, Any], batch: BatchPolicy, max_tokens: int | None
+    job_input: Mapping[str, Any], batch: BatchPolicy, defaults: JobDefaults
 ) -> VllmRequest:
     sampling = job_input.get("sampling_params", {})
     if sampling is None:
@@ -244,8 +250,12 @@ def _classic_request(
     apply_template = job_input.get("apply_chat_template", False)
     if not isinstance(apply_template, bool):
         raise InvalidRequest("'apply_chat_template' must be true or false.")
+    chat = "messages" in job_input or apply_template
+    checked = check_job_fields(job_input, sampling, "chat" if chat else "completion",
+                               defaults.request_fields)
 
-    body: dict[str, Any] = dict(sampling)
+    body: dict[str, Any] = checked.body
+    max_tokens = defaults.max_tokens
     if max_tokens is not None and all(body.get(key) is None for key in _MAX_TOKENS_KEYS):
         body["max_tokens"] = max_tokens  # DEFAULT_MAX_TOKENS: the job did not say
     if "messages" in job_input:
@@ -281,4 +291,4 @@ def _classic_request(
             body["stream_options"] = {"include_usage": True}
         elif isinstance(options, dict):
             body["stream_options"] = {"include_usage": True, **options}
-    return VllmRequest("POST", route, body, stream, batch)
+    return VllmRequest("POST", route, body, stream, batch, notes=checked.notes)

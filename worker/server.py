@@ -71,7 +71,8 @@ class QueueWorker:
         if adapters is not None and (summary := adapters.summary()) is not None:
             logger.info("%s", summary)
         return Proxy(self.settings, served_model=served_model, backend_failure=probe,
-                     adapters=adapters)
+                     adapters=adapters,
+                     request_fields=launch.command.request_fields if launch else None)
 
     # -- the whole run -------------------------------------------------------------------
     def run_serverless(self) -> int:
