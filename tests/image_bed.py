@@ -113,10 +113,20 @@ class ImageBed:
         return int(self.run("podman", "image", "inspect", "--format", "{{.Size}}",
                             image).stdout.strip())
 
-    def export(self, image: str, dest: Path) -> Path:
-        """The image as an OCI layout with uncompressed layers (each blob greppable)."""
-        self.run("buildah", "push", "--disable-compression", image, f"oci:{dest}")
-        return dest
+    def layer_folders(self, diff_ids: Sequence[str]) -> list[Path]:
+        """The folders in the shared storage that hold the layers of these diff ids (each
+        layer's files as its tar would carry them: contents, names, links). Reading them is
+        what an export of the image would give for those layers, without writing out the
+        base's gigabytes (``buildah push`` copies every layer)."""
+        index = self.builder.storage / "overlay-layers"
+        layers = [layer for name in ("layers.json", "volatile-layers.json")
+                  if (index / name).is_file()
+                  for layer in json.loads((index / name).read_text() or "[]")]
+        by_diff = {layer.get("diff-digest"): layer["id"] for layer in layers}
+        missing = [diff_id for diff_id in diff_ids if diff_id not in by_diff]
+        assert not missing, f"layers not in the storage at {index}: {missing}"
+        return [self.builder.storage / "overlay" / by_diff[diff_id] / "diff"
+                for diff_id in diff_ids]
 
     def container(self, image: str, env: Mapping[str, str], log_path: Path, *,
                   mounts: Sequence[tuple[Path, str]] = ()) -> Container:

@@ -22,19 +22,21 @@ from worker.request_fields import DOCUMENTED_SAMPLING_PARAMS, RETIRED_FIELDS
 
 pytestmark = pytest.mark.vllm
 
-#: A value for each documented parameter vLLM still reads: what a user would send.
-VALUES: dict[str, Any] = {
+#: Each documented parameter vLLM still reads, with a value a user would send: the sampling
+#: ones in one job, beam search (which samples nothing) in another.
+SAMPLING: dict[str, Any] = {
     "n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
-    "temperature": 0, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "use_beam_search": True,
-    "length_penalty": 1.5, "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True,
-    "max_tokens": 4, "min_tokens": 2, "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 3,
+    "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "stop": ["\n\n"],
+    "stop_token_ids": [2], "ignore_eos": True, "max_tokens": 4, "min_tokens": 2,
+    "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 3,
 }
+BEAM: dict[str, Any] = {"use_beam_search": True, "length_penalty": 1.5, "n": 2, "max_tokens": 4}
 SHAPES = {"prompt": "The sea is", "messages": [{"role": "user", "content": "The sea is"}]}
 
 
-def test_the_values_cover_every_documented_parameter_vllm_reads() -> None:
-    assert set(VALUES) == set(DOCUMENTED_SAMPLING_PARAMS) - set(RETIRED_FIELDS)
+def test_the_jobs_cover_every_documented_parameter_vllm_reads() -> None:
+    assert set(SAMPLING) | set(BEAM) == set(DOCUMENTED_SAMPLING_PARAMS) - set(RETIRED_FIELDS)
 
 
 def answer_of(record: JobRecord) -> dict[str, Any]:
@@ -51,22 +53,17 @@ def texts(answer: dict[str, Any]) -> list[str]:
 
 def test_every_documented_parameter_is_honoured_in_both_shapes(queue_worker: Serving) -> None:
     api = queue_worker.api
-    jobs = {}
-    for shape, llm_input in SHAPES.items():
-        for name, value in VALUES.items():
-            sampling = {"max_tokens": 4, name: value}
-            if name == "length_penalty":
-                sampling["use_beam_search"] = True
-            jobs[shape, name] = api.submit({shape: llm_input, "sampling_params": sampling})
+    jobs = {(shape, name): api.submit({shape: llm_input, "sampling_params": params})
+            for shape, llm_input in SHAPES.items()
+            for name, params in (("sampling", SAMPLING), ("beam", BEAM))}
     answers = {key: answer_of(api.wait_done(job, timeout=300)) for key, job in jobs.items()}
     for shape in SHAPES:
-        assert len(answers[shape, "n"]["choices"]) == 2
-        assert answers[shape, "ignore_eos"]["usage"]["completion_tokens"] == 4
+        sampled, beams = answers[shape, "sampling"], answers[shape, "beam"]
+        assert len(sampled["choices"]) == len(beams["choices"]) == 2  # n
         # vLLM kept the prompt's last 3 tokens, whatever the chat template made of it.
-        assert answers[shape, "truncate_prompt_tokens"]["usage"]["prompt_tokens"] == 3
-        for name in VALUES:  # max_tokens is each answer's
-            answer = answers[shape, name]
-            assert answer["usage"]["completion_tokens"] <= 4 * len(answer["choices"]), (shape, name)
+        assert sampled["usage"]["prompt_tokens"] == 3
+        # Each answer: at least min_tokens, at most max_tokens.
+        assert 2 * 2 <= sampled["usage"]["completion_tokens"] <= 2 * 4, sampled["usage"]
 
 
 def vllm_requests(serving: Serving) -> float:
