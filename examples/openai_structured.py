@@ -19,7 +19,7 @@ from _endpoint import client_from_env
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20},
+    "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
                    "sunny": {"type": "boolean"}},
     "required": ["city", "sunny"],
     "additionalProperties": False,

@@ -246,7 +246,9 @@ def test_the_structured_outputs_example_gets_answers_that_parse(
     lines = dict(line.split(": ", 1) for line in _completed(example_runs["openai_structured"])
                  .splitlines() if ": " in line)
     weather = ast.literal_eval(lines["json_schema"])
+    # Free strings are left out: the tiny random model writes control characters in them.
     assert set(weather) == {"city", "sunny"} and isinstance(weather["sunny"], bool), weather
+    assert weather["city"] in {"Paris", "London", "Tokyo"}, weather
     assert lines["choice"] in {"yes", "no"}
     assert re.fullmatch(r"[0-9]{3}", lines["regex"]), lines["regex"]
 
