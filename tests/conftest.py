@@ -24,7 +24,7 @@ import pytest
 from tests import shared_workers
 from tests.fake_job_api import FakeJobApi
 from tests.shared_workers import POOL
-from tests.tiny_model import build_tiny_model, build_tiny_whisper, scratch_dirs
+from tests.tiny_model import build_tiny_model, build_tiny_vlm, build_tiny_whisper, scratch_dirs
 from tests.tiny_model import tiny_env as tiny_env_of
 from tests.tiny_model import whisper_env as whisper_env_of
 from tests.worker_process import WorkerProcess, error_lines
@@ -197,6 +197,13 @@ def tiny_whisper(vllm_python: str) -> Path:
     """The tiny random Whisper (speech to text), built once per version of its script and
     cached."""
     return build_tiny_whisper(vllm_python)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(vllm_python: str) -> Path:
+    """The tiny random vision-language model (images in chat messages), built once per version
+    of its script and cached."""
+    return build_tiny_vlm(vllm_python)
 
 
 @pytest.fixture(scope="session")

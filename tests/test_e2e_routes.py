@@ -182,6 +182,14 @@ def test_vllm_400_is_a_failed_job_with_its_code_and_message(serving: Serving) ->
     assert isinstance(error["vllm"], dict)
 
 
+def test_a_pooling_route_on_a_generating_endpoint_is_vllms_404(serving: Serving) -> None:
+    """docs/pooling.md: an endpoint serves one model in one way (the other way round is
+    tests/test_e2e_pooling.py's)."""
+    record = serving.run({"openai_route": "/v1/embeddings", "openai_input": {"input": "Hi"}})
+    assert record.error is not None, record.done
+    assert (record.error["type"], record.error["code"]) == ("vllm_error", 404), record.error
+
+
 def test_invalid_job_is_rejected_with_the_field(serving: Serving) -> None:
     record = serving.run({"messages": "not a list"})
     assert record.error == {"type": "invalid_request", "code": 400,

@@ -65,7 +65,10 @@ OPENAI_EXAMPLES = (
 #: The speech-to-text example (BASE_URL = the local API of a worker serving a speech model),
 #: and the file it is given.
 SPEECH_EXAMPLE = "requests_transcribe"
-EXAMPLE_ARGS = {SPEECH_EXAMPLE: ["speech.wav"]}
+#: Examples of models other than the tiny Llama, run by the modules that serve them
+#: (tests/test_e2e_vision.py, tests/test_e2e_pooling.py) against vLLM's own /v1.
+OTHER_MODEL_EXAMPLES = ("openai_vision", "openai_embeddings")
+EXAMPLE_ARGS = {SPEECH_EXAMPLE: ["speech.wav"], "openai_vision": ["photo.jpg"]}
 
 
 @dataclass
@@ -559,7 +562,8 @@ def test_job_examples_use_the_endpoint_with_a_bearer_key(name: str, platform_env
     assert session.headers["Authorization"] == "Bearer rpa_test"
 
 
-@pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, *OPENAI_EXAMPLES, SPEECH_EXAMPLE))
+@pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, *OPENAI_EXAMPLES, SPEECH_EXAMPLE,
+                                  *OTHER_MODEL_EXAMPLES))
 def test_examples_say_what_to_set_when_nothing_is_set(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -619,5 +623,6 @@ def test_readme_example_commands_are_the_ones_tested() -> None:
             [script] = [w for w in words if w.startswith("examples/")]
             scripts.add(Path(script).stem)
     # (The speech example's commands are docs/speech-to-text.md's, run above; the README may
-    # name it too.)
-    assert scripts - {SPEECH_EXAMPLE} == set(LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
+    # name it too. The vision and pooling ones run in their own modules.)
+    assert scripts - {SPEECH_EXAMPLE, *OTHER_MODEL_EXAMPLES} == set(
+        LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)

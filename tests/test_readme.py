@@ -78,6 +78,10 @@ COVERAGE: dict[str, str] = {
         f"{EXAMPLES_TEST}::test_the_tools_example_gets_a_call_with_the_tools_parameters",
     "python examples/openai_responses.py":
         f"{EXAMPLES_TEST}::test_the_responses_example_gets_a_whole_and_a_streamed_answer",
+    "python examples/openai_vision.py photo.jpg":
+        "tests/test_e2e_vision.py::test_the_vision_example_sends_a_file_and_a_url",
+    "python examples/openai_embeddings.py":
+        "tests/test_e2e_pooling.py::test_the_embeddings_example_prints_the_scores_and_the_ranking",
     "python examples/openai_completions.py":
         f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_vllms_own_server",
     "python examples/openai_models.py":

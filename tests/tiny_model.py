@@ -3,7 +3,8 @@
 Shared by the test fixtures (tests/conftest.py) and the scripts that start a real vLLM
 outside pytest (scripts/soak.py), so that both serve the very same model and settings. The
 tiny Llama serves the text routes; the tiny Whisper the speech-to-text ones, which take the
-one-second WAV made here.
+one-second WAV made here; the tiny vision-language model the images in chat messages, which
+take the PNGs made here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import struct
 import subprocess
 import wave
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +35,13 @@ def build_tiny_whisper(vllm_python: str) -> Path:
     """The tiny random Whisper, built once per version of its script (and of the tiny Llama's,
     whose corpus its tokenizer is trained on) and cached."""
     return _built(vllm_python, "tiny-whisper", ["make_tiny_whisper.py", "make_tiny_model.py"])
+
+
+def build_tiny_vlm(vllm_python: str) -> Path:
+    """The tiny random vision-language model (images in chat messages), built once per version
+    of its script (and of the tiny Llama's, whose language model and tokenizer it has) and
+    cached."""
+    return _built(vllm_python, "tiny-vlm", ["make_tiny_vlm.py", "make_tiny_model.py"])
 
 
 def _built(vllm_python: str, name: str, scripts: list[str],
@@ -102,3 +111,18 @@ def sine_wav(seconds: float = 1.0, rate: int = 16000, frequency: float = 440.0) 
         out.setframerate(rate)
         out.writeframes(struct.pack(f"<{frames}h", *samples))
     return buffer.getvalue()
+
+
+def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG of one colour (8-bit RGB, no filter): what a test sends as an image, made without
+    an imaging library."""
+    row = b"\x00" + bytes(rgb) * width
+    pixels = zlib.compress(row * height, 9)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels)
+            + chunk(b"IEND", b""))
