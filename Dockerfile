@@ -36,7 +36,7 @@ RUN python3 -m venv --without-pip /opt/worker \
 # VLLM_TARGET_DEVICE=cpu: a build has no GPU, and without it vLLM cannot infer a device and
 # fails to build its parser ("Failed to infer device type"); the flags do not depend on it.
 RUN VLLM_TARGET_DEVICE=cpu PYTHONPATH=/opt/worker-src \
-    python3 -m worker.flags dump --out /opt/worker/vllm-flags.json
+    python3 -m worker.config.flags dump --out /opt/worker/vllm-flags.json
 
 COPY --chmod=755 start.sh /start.sh
 

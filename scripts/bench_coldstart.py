@@ -158,8 +158,8 @@ def show(title: str, figures: dict[str, float], goals: dict[str, str]) -> None:
 
 # -- the command, before vLLM -------------------------------------------------------------------
 BUILD = (
-    "from worker.command import build_command\n"
-    "from worker.flags import FlagCatalog, packaged_catalog_path\n"
+    "from worker.config.command import build_command\n"
+    "from worker.config.flags import FlagCatalog, packaged_catalog_path\n"
     "catalog = FlagCatalog.load(packaged_catalog_path())\n"
     "env = {'MODEL_NAME': 'org/m', 'MAX_MODEL_LEN': '4096', 'ENFORCE_EAGER': 'true'}\n"
     "build_command(env, catalog, file_exists=lambda p: False)\n"

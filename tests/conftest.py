@@ -158,7 +158,7 @@ def vllm_executable() -> str:
 @pytest.fixture(scope="session")
 def vllm_python(vllm_executable: str) -> str:
     """The interpreter of the CPU vLLM (it also has torch and transformers)."""
-    from worker.build import vllm_python as find_python
+    from worker.start.build import vllm_python as find_python
 
     python = find_python(vllm_executable)
     assert python is not None, f"cannot read the interpreter of {vllm_executable}"

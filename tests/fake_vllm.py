@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script by the worker, not imported by 
 
 from tests.fake_openai import FakeOpenAI  # noqa: E402
 from tests.worker_process import WorkerProcess  # noqa: E402
-from worker.flags import (  # noqa: E402
+from worker.config.flags import (  # noqa: E402
     FlagCatalog,
     packaged_catalog_path,
     write_json_atomically,
@@ -131,7 +131,7 @@ def free_port() -> int:
 def write_catalog(directory: Path) -> Path:
     """This stand-in's flag catalog: the packaged vLLM's, whose requests also take the
     stand-in's steering field ``fake`` (a prompt job's ``sampling_params`` may carry it, as
-    they may carry any field of the vLLM that runs: worker/request_fields.py)."""
+    they may carry any field of the vLLM that runs: worker/config/request_fields.py)."""
     catalog = FlagCatalog.load(packaged_catalog_path())
     fields = catalog.request_fields
     assert fields is not None, "the packaged catalog has no request fields"

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from tests.fake_hub import LFS_SUFFIXES, commit_of, etag_of, git_blob_id
-from worker.hub_cache import repo_folder
+from worker.model.cache import repo_folder
 
 
 def write_snapshot(

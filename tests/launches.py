@@ -1,7 +1,7 @@
 """The start the worker builds from a user's environment, for tests of what reads it.
 
-The real :class:`~worker.build.Builder` runs with the packaged catalog of vLLM 0.32's flags and
-an in-memory file system (the config file, when given), so a test states what a user set and
+The real :class:`~worker.start.build.Builder` runs with the packaged catalog of vLLM 0.32's flags
+and an in-memory file system (the config file, when given), so a test states what a user set and
 the command, its typed sources and the hub facts follow as in the worker.
 """
 
@@ -11,10 +11,10 @@ from collections.abc import Mapping
 
 import yaml
 
-from worker.build import Builder
-from worker.config import Launch
-from worker.flags import FlagCatalog, packaged_catalog_path
-from worker.settings import Settings
+from worker.config.flags import FlagCatalog, packaged_catalog_path
+from worker.config.resolved import Launch
+from worker.config.settings import Settings
+from worker.start.build import Builder
 
 CATALOG = FlagCatalog.load(packaged_catalog_path())
 CONFIG_PATH = "/vllm_config.yaml"

@@ -19,7 +19,7 @@ attempts explains), and the bytes of its stream at the job API equal what vLLM s
 order, but for the POSTs the SDK's retry rules (:func:`sdk_fate`) dropped; those are
 counted by cause. The run is cut into a warm-up and ten tenths; after each, the worker is
 sampled from /proc (RSS, descriptors, connections to vLLM and to the job API, CPU) and from
-its stats hook (:mod:`worker.stats`: live asyncio tasks, Python memory blocks), so that a
+its stats hook (:mod:`worker.jobs.stats`: live asyncio tasks, Python memory blocks), so that a
 leak shows as a slope and a drift as a difference between the first and the last tenth.
 
 The plans are :mod:`tests.soak_plans`, the checks :mod:`tests.soak_checks`; this module runs
@@ -64,7 +64,7 @@ STOP_HOLD = 10.0
 
 # -- sampling the worker ------------------------------------------------------------------------
 def last_stats(path: Path, newer_than: float = 0.0, timeout: float = 5.0) -> dict[str, Any]:
-    """The worker's latest stats line (worker/stats.py) written after ``newer_than``."""
+    """The worker's latest stats line (worker/jobs/stats.py) written after ``newer_than``."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(FileNotFoundError, ValueError, IndexError):

@@ -19,16 +19,16 @@ from tests import test_model_source as model_source
 from tests.hf_cache import write_snapshot
 from tests.launches import launch_of
 from tests.test_startup import Script, startup
-from worker.adapters import (
+from worker.config.settings import Settings
+from worker.jobs.handler import Proxy
+from worker.jobs.routing import sent_model
+from worker.model.adapters import (
     AdapterSources,
     FolderLook,
     adapter_sources,
     look_in_folder,
     missing_adapter_folder,
-    sent_model,
 )
-from worker.handler import Proxy
-from worker.settings import Settings
 
 ON = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "ENABLE_LORA": "true"}
 MODEL = "org/base"

@@ -1,4 +1,4 @@
-"""Environment → `vllm serve` argv: every rule of :func:`worker.command.build_command`.
+"""Environment → `vllm serve` argv: every rule of :func:`worker.config.command.build_command`.
 
 Fast and pure: a small synthetic catalog (plus a few cases on the packaged real one) and an
 in-memory file system. One test (marked ``vllm``) feeds the result to vLLM's own parser.
@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-from worker.command import (
+from worker.config.command import (
     ALIASES,
     COLLIDING_NAMES,
     RETIRED,
     build_command,
 )
-from worker.config import VllmCommand
+from worker.config.flags import Flag, FlagCatalog, packaged_catalog_path
+from worker.config.names import EARLIER_NAMES, SPECULATIVE_PARTS
+from worker.config.resolved import VllmCommand
+from worker.config.settings import WORKER_SETTING_NAMES
 from worker.errors import ConfigError
-from worker.flags import Flag, FlagCatalog, packaged_catalog_path
-from worker.names import EARLIER_NAMES, SPECULATIVE_PARTS
 from worker.secrets import SecretMasker
-from worker.settings import WORKER_SETTING_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -748,8 +748,8 @@ def test_build_command_imports_nothing_but_the_standard_library() -> None:
         """
         import json, sys
         before = set(sys.modules)
-        from worker.command import build_command
-        from worker.flags import FlagCatalog, packaged_catalog_path
+        from worker.config.command import build_command
+        from worker.config.flags import FlagCatalog, packaged_catalog_path
         catalog = FlagCatalog.load(packaged_catalog_path())
         env = {"MODEL_NAME": "org/m", "MAX_MODEL_LEN": "4096", "ENFORCE_EAGER": "true"}
         command = build_command(env, catalog, file_exists=lambda p: False)

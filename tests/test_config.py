@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.launches import launch_of
-from worker.config import FlagSource, LoraModule, VllmCommand
+from worker.config.resolved import FlagSource, LoraModule, VllmCommand
 from worker.errors import ConfigError
 
 CONFIG = FlagSource("config_file", path="/vllm_config.yaml")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.launches import launch_of
-from worker.diagnosis import Diagnosis, diagnose
+from worker.start.diagnosis import Diagnosis, diagnose
 
 FAILURE_LOGS = Path(__file__).parent / "data" / "failure_logs"
 TAIL = 400
@@ -864,7 +864,7 @@ def test_every_fixture_is_used() -> None:
 
 def test_hub_failures_are_worded_as_the_preflight_words_them() -> None:
     """One place builds the message of a hub failure, before a start or after a crash."""
-    from worker.hub_messages import not_found_message
+    from worker.model.messages import not_found_message
 
     tail = [
         "(APIServer pid=1) ERROR 11-30 12:00:00 [api_server.py:1] Error",

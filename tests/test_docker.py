@@ -32,11 +32,11 @@ import pytest
 from tests import docs
 from tests.conftest import load_script
 from tests.worker_process import base_env
-from worker.command import ALIASES, COLLIDING_NAMES, RETIRED, build_command
+from worker.config.command import ALIASES, COLLIDING_NAMES, RETIRED, build_command
+from worker.config.flags import PACKAGED_VERSION, FlagCatalog, packaged_catalog_path
+from worker.config.settings import SETTINGS, Settings
 from worker.errors import ConfigError
-from worker.flags import PACKAGED_VERSION, FlagCatalog, packaged_catalog_path
-from worker.routing import parse_job_input
-from worker.settings import SETTINGS, Settings
+from worker.jobs.routing import parse_job_input
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -211,9 +211,9 @@ def test_worker_lives_in_its_own_venv_and_start_sh_uses_it() -> None:
 
 
 def test_flag_catalog_is_dumped_by_the_images_vllm_and_used() -> None:
-    [dump] = [run for run in runs() if "worker.flags" in run]
+    [dump] = [run for run in runs() if "worker.config.flags" in run]
     assert dump == ("VLLM_TARGET_DEVICE=cpu PYTHONPATH=/opt/worker-src "
-                    "python3 -m worker.flags dump --out /opt/worker/vllm-flags.json")
+                    "python3 -m worker.config.flags dump --out /opt/worker/vllm-flags.json")
     assert env_values()["VLLM_FLAG_CATALOG"] == "/opt/worker/vllm-flags.json"
     copies = [rest for keyword, rest in instructions() if keyword == "COPY"]
     assert "worker /opt/worker-src/worker" in copies
@@ -294,7 +294,7 @@ def test_every_copied_file_is_in_the_build_context() -> None:
         for file in files:
             relative = file.relative_to(ROOT).as_posix()
             assert dockerignore_allows(relative), f"{relative} is excluded by .dockerignore"
-    assert dockerignore_allows(f"worker/catalogs/vllm-{PACKAGED_VERSION}.json")
+    assert dockerignore_allows(f"worker/config/catalogs/vllm-{PACKAGED_VERSION}.json")
     for excluded in (".venv/bin/python", ".venv-vllm/bin/vllm", ".git/HEAD", ".cache/x",
                      "tests/test_docker.py", "worker/__pycache__/main.cpython-311.pyc"):
         assert not dockerignore_allows(excluded), excluded
@@ -340,7 +340,7 @@ def build_context(tmp_path: Path) -> Path:
 
 def _dump_step(source: Path, out: Path, python: str, *, extra_path: Path | None = None,
                target_device: bool = True) -> subprocess.CompletedProcess[str]:
-    [dump] = [run for run in runs() if "worker.flags" in run]
+    [dump] = [run for run in runs() if "worker.config.flags" in run]
     pythonpath = str(source) if extra_path is None else f"{source}:{extra_path}"
     command = (dump.replace("PYTHONPATH=/opt/worker-src", f"PYTHONPATH={pythonpath}")
                .replace("/opt/worker/vllm-flags.json", str(out))

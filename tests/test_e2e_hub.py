@@ -22,8 +22,8 @@ from tests.fake_hub import FakeHub, HubRequest
 from tests.fake_job_api import FakeJobApi
 from tests.hub_model import REPO, repo_files
 from tests.pooled import HubLb
-from worker.hub_cache import repo_folder
-from worker.volume_cache import format_bytes
+from worker.model.cache import repo_folder
+from worker.model.volume_cache import format_bytes
 
 pytestmark = pytest.mark.vllm
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.fake_job_api import JobRecord
 from tests.serving import Serving
-from worker.request_fields import DOCUMENTED_SAMPLING_PARAMS, RETIRED_FIELDS
+from worker.config.request_fields import DOCUMENTED_SAMPLING_PARAMS, RETIRED_FIELDS
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,7 @@ import pytest
 from tests.fake_job_api import FakeJobApi
 from tests.fake_vllm import free_port, launch_worker
 from tests.soak import metric
-from worker.config import PROXY_IDLE_SECONDS
+from worker.config.resolved import PROXY_IDLE_SECONDS
 
 
 @pytest.fixture(scope="module")

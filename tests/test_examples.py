@@ -48,7 +48,7 @@ from tests.conftest import free_port, load_script
 from tests.shared_workers import POOL, pooled
 from tests.tiny_model import sine_wav
 from tests.worker_process import WorkerProcess, base_env
-from worker.routing import parse_job_input
+from worker.jobs.routing import parse_job_input
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from worker import catalog as catalogs
-from worker import flags
-from worker.catalog import resolve_catalog
-from worker.errors import ConfigError
-from worker.flags import (
+from worker.config import catalog as catalogs
+from worker.config import flags
+from worker.config.catalog import resolve_catalog
+from worker.config.flags import (
     Flag,
     FlagCatalog,
     catalog_from_parser,
     env_name,
     packaged_catalog_path,
 )
+from worker.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The environment a dump runs in (the worker passes its own).
@@ -196,7 +196,7 @@ def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
     out = tmp_path / "catalog.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [vllm_python, "-m", "worker.flags", "dump", "--out", str(out)],
+        [vllm_python, "-m", "worker.config.flags", "dump", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The form shape of a job (worker/forms.py, the route shape with ``form`` and ``files``):
+"""The form shape of a job (worker/jobs/forms.py, the route shape with ``form`` and ``files``):
 what parses into which form, what is refused with which field named, and the bytes of the
 multipart/form-data body, read back by a MIME parser. In-process and pure; the real vLLM
 reads these bodies in tests/test_e2e_speech.py."""
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from worker.errors import InvalidRequest
-from worker.forms import MAX_FILE_BYTES, Form, FormFile, httpx_parts, parse_form
-from worker.routing import parse_job_input
+from worker.jobs.forms import MAX_FILE_BYTES, Form, FormFile, httpx_parts, parse_form
+from worker.jobs.routing import parse_job_input
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "speech-to-text.md"

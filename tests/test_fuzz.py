@@ -1,4 +1,4 @@
-"""Fuzz the whole job → request → answer path of :class:`worker.handler.Proxy` with Hypothesis.
+"""Fuzz the whole job → request → answer path of :class:`worker.jobs.handler.Proxy` with Hypothesis.
 
 Why: a job's input is whatever a client POSTs to the endpoint, and the worker is the only
 thing between it and a local vLLM that must never be steered elsewhere. The parser and the
@@ -44,10 +44,10 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.fake_openai import sse_event
+from worker.config.flags import FlagCatalog, packaged_catalog_path
+from worker.config.settings import Settings
 from worker.errors import ConfigError
-from worker.flags import FlagCatalog, packaged_catalog_path
-from worker.handler import Proxy
-from worker.settings import Settings
+from worker.jobs.handler import Proxy
 
 PORT = 8000  # vLLM's port in these tests (VLLM_PORT)
 
@@ -292,7 +292,7 @@ def path_is_safe(decoded_path: str) -> bool:
 
 
 def route_acceptable(route: object) -> bool:
-    """The documented rules of a job's route, written out independently of worker.routing."""
+    """The documented rules of a job's route, written out independently of worker.jobs.routing."""
     if not isinstance(route, str) or len(route) > 2048:
         return False
     if not route.startswith("/") or route.startswith("//"):
@@ -327,7 +327,7 @@ def check_items(items: list[Any], requests: list[httpx.Request], answer: Answer)
         assert len(items) == 1
     else:
         # The model name is fixed: no lookup. A reset before vLLM's answer is sent again, once
-        # (worker.handler._is_closed_unanswered): vLLM closed the connection unread.
+        # (worker.jobs.handler._is_closed_unanswered): vLLM closed the connection unread.
         sent = 2 if answer.kind == "read_error" else 1
         assert len(requests) == sent, (items, requests)
         assert all(request is requests[0] for request in requests)  # the same request again

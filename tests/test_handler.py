@@ -15,8 +15,8 @@ import respx
 
 from tests.fake_openai import FakeOpenAI, expected_stream
 from tests.test_forms import parts
-from worker.handler import Proxy
-from worker.settings import Settings
+from worker.config.settings import Settings
+from worker.jobs.handler import Proxy
 
 
 def mocked_proxy(router: respx.MockRouter) -> Proxy:

@@ -1,6 +1,6 @@
 """Which files of a repo vLLM 0.32 downloads: the rules as a table, then vLLM itself as judge.
 
-The table pins each rule of worker/hub_files.py. The last test runs vLLM's own download code
+The table pins each rule of worker/model/files.py. The last test runs vLLM's own download code
 (its default model loader's weight preparation and its non-weight snapshot, with the CPU vLLM)
 against the stand-in Hub for repos of several layouts, and checks that the files vLLM fetched
 are exactly the files the worker would choose: the prefetch may fetch no file vLLM would not.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_hub import FakeHub
-from worker.hub_files import Selection, is_weight_file, select_files
+from worker.model.files import Selection, is_weight_file, select_files
 
 SHARDED = sorted(["config.json", "tokenizer.json", "model.safetensors.index.json",
                   "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",

@@ -54,7 +54,7 @@ from tests.test_docker import readme_docker_builds
 from tests.test_examples import curl_commands
 from tests.test_security import every_cmdline
 from tests.worker_process import ROOT
-from worker.flags import PACKAGED_VERSION
+from worker.config.flags import PACKAGED_VERSION
 
 # The first test of a machine also makes the builders and the base image (several minutes,
 # once per machine), counted in its time: the image tests' bound is above the suite's 300 s.

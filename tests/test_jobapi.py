@@ -1,4 +1,4 @@
-"""The worker's session to the job API (worker/jobapi.py), through the SDK's own sending.
+"""The worker's session to the job API (worker/jobs/jobapi.py), through the SDK's own sending.
 
 ``runpod.serverless.modules.rp_http._handle_result`` is what the SDK's job loop calls for
 every job-stream and job-done POST; these tests call it with the worker's session and with
@@ -21,7 +21,7 @@ from runpod.http_client import AsyncClientSession
 from runpod.serverless.modules import rp_http
 
 from tests.fake_job_api import FakeJobApi, JobFaults
-from worker.jobapi import CONNECT_DELAYS, ReconnectingConnector, job_api_session
+from worker.jobs.jobapi import CONNECT_DELAYS, ReconnectingConnector, job_api_session
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ async def test_the_session_is_the_sdks_but_for_its_connector() -> None:
 
 
 class _Logged(logging.Handler):
-    """Sets ``seen`` at the first record of ``worker.jobapi`` that holds ``words``."""
+    """Sets ``seen`` at the first record of ``worker.jobs.jobapi`` that holds ``words``."""
 
     def __init__(self, words: str) -> None:
         super().__init__()
@@ -115,7 +115,7 @@ async def test_a_job_done_to_a_refusing_job_api_lands_once_it_is_back(
 
 
 async def test_the_sdk_alone_loses_that_job_done(api: FakeJobApi) -> None:
-    # Pins runpod 1.12's behaviour that worker/jobapi.py exists for: its retry covers 5xx
+    # Pins runpod 1.12's behaviour that worker/jobs/jobapi.py exists for: its retry covers 5xx
     # answers only, so a refused connection drops the result at once.
     job = api.submit({"prompt": "x"})
     refuse_now(api)

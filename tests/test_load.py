@@ -17,7 +17,7 @@ connection is not retried); it waits 2 s, then 3 s. When the three attempts fail
 for good (later yields are still posted, so the stream has a gap), while the aggregate sent
 with job-done is built before the POST and stays whole; a lost job-done POST loses the
 job's result. (A POST whose connection could not even open is retried by the worker's own
-session, worker/jobapi.py: tests/test_jobapi.py.) So the worker's side of the bargain is:
+session, worker/jobs/jobapi.py: tests/test_jobapi.py.) So the worker's side of the bargain is:
 never lose or reorder a byte while a POST is slow or retried. The tests below hold it to
 that, and pin the SDK's behaviour beyond its retries so that an SDK upgrade changing it is
 noticed.

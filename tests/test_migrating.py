@@ -21,9 +21,9 @@ import pytest
 
 from tests import docs
 from tests.launches import CATALOG, launch_of
-from worker.command import ALIASES, RETIRED
-from worker.config import Launch
-from worker.settings import WORKER_SETTING_NAMES
+from worker.config.command import ALIASES, RETIRED
+from worker.config.resolved import Launch
+from worker.config.settings import WORKER_SETTING_NAMES
 
 PAGE = "migrating.md"
 #: The fields of the reference's form at v2.25.2 (its .runpod/hub.json).

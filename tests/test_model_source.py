@@ -3,7 +3,7 @@
 Each test writes a Hugging Face cache the way one writer leaves it (tests/hf_cache.py: a start
 of vLLM or huggingface_hub's snapshot_download, with or without ``refs/`` and ``trees/``, files
 missing, a download broken off) and builds the start with the real Builder, which reads it
-(worker/hub_cache.py) and decides (worker/model_source.py). The real caches of huggingface_hub
+(worker/model/cache.py) and decides (worker/model/source.py). The real caches of huggingface_hub
 and vLLM are read by tests/test_e2e_hub.py.
 """
 
@@ -20,7 +20,7 @@ from tests.fake_hub import commit_of
 from tests.hf_cache import write_snapshot
 from tests.launches import launch_of
 from tests.worker_process import ROOT, base_env
-from worker.config import Launch
+from worker.config.resolved import Launch
 
 MODEL = {
     "config.json": b'{"architectures": ["LlamaForCausalLM"]}',

@@ -1,4 +1,4 @@
-"""Names that set no flag (:mod:`worker.names`): the typo rule, measured, and the speculative
+"""Names that set no flag (:mod:`worker.config.names`): the typo rule, measured, and the speculative
 warning.
 
 The typo rule must catch real typos and stay silent on every name an image, the platform or
@@ -25,9 +25,9 @@ import runpod
 from tests.fake_job_api import FakeJobApi
 from tests.tiny_model import tiny_env
 from tests.worker_process import base_env
-from worker.command import _typo_targets, build_command
-from worker.flags import FlagCatalog, env_name, packaged_catalog_path
-from worker.names import (
+from worker.config.command import _typo_targets, build_command
+from worker.config.flags import FlagCatalog, env_name, packaged_catalog_path
+from worker.config.names import (
     EARLIER_NAMES,
     FOREIGN_PREFIXES,
     MIN_SLIP_LENGTH,
@@ -37,7 +37,7 @@ from worker.names import (
     probable_name,
     speculative_config_hint,
 )
-from worker.settings import WORKER_SETTING_NAMES
+from worker.config.settings import WORKER_SETTING_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.launches import launch_of
-from worker.diagnosis import Diagnosis
 from worker.errors import HubUnreachable, PrestartFailed, StartupError
-from worker.hub_targets import plan_hub_checks
-from worker.policy import (
+from worker.model.preflight import HubOutage
+from worker.model.targets import plan_hub_checks
+from worker.start.diagnosis import Diagnosis
+from worker.start.policy import (
     Attempt,
     Decision,
     Exited,
@@ -33,7 +34,6 @@ from worker.policy import (
     hub_retry_delay,
     logs_for_jobs,
 )
-from worker.preflight import HubOutage
 
 OOM = Diagnosis("out_of_memory", "vLLM ran out of memory.", "Lower MAX_MODEL_LEN.", True)
 TOO_LONG = Diagnosis("max_model_len_too_large", "Too long.", "Set MAX_MODEL_LEN to 4096.")

@@ -21,11 +21,11 @@ import pytest
 
 from tests.fake_hub import FakeHub, etag_of
 from tests.launches import launch_of
-from worker.hub_cache import repo_folder
-from worker.hub_files import select_files
-from worker.prefetch import Download, Prefetch, downloads_of
-from worker.preflight import preflight
-from worker.progress import DownloadMeter, DownloadStatus, StartProgress, bytes_on_disk
+from worker.model.cache import repo_folder
+from worker.model.files import select_files
+from worker.model.prefetch import Download, Prefetch, downloads_of
+from worker.model.preflight import preflight
+from worker.model.progress import DownloadMeter, DownloadStatus, StartProgress, bytes_on_disk
 
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 SHARDED = {
@@ -73,8 +73,8 @@ def test_the_prefetch_fetches_what_vllm_reads_the_index_first(tmp_path: Path) ->
 def test_a_file_that_fails_is_left_to_vllm(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from worker.hub_files import ListedFile, RepoListing
-    from worker.model_source import Needs
+    from worker.model.files import ListedFile, RepoListing
+    from worker.model.source import Needs
 
     listing = RepoListing("acme/m", "c" * 40, {"config.json": ListedFile(2, "b1"),
                                                "model.safetensors": ListedFile(9, "b2")})

@@ -24,7 +24,7 @@ from huggingface_hub.utils import _http as hub_http
 
 from tests.launches import NO_BAKED, launch_of
 from worker.errors import StartupError
-from worker.hub_messages import (
+from worker.model.messages import (
     HubMessage,
     disabled_message,
     gated_message,
@@ -32,8 +32,8 @@ from worker.hub_messages import (
     not_found_message,
     revision_not_found_message,
 )
-from worker.hub_targets import plan_hub_checks
-from worker.preflight import preflight
+from worker.model.preflight import preflight
+from worker.model.targets import plan_hub_checks
 
 # The HTTP library huggingface_hub uses (httpx2 in 2.x, httpx in 1.x).
 HTTP: Any = getattr(hub_http, "httpx2", None) or getattr(hub_http, "httpx")  # noqa: B009

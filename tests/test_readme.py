@@ -28,9 +28,9 @@ import worker.errors
 from tests import docs
 from tests.conftest import load_script
 from tests.worker_process import base_env
-from worker.diagnosis.rules import RULES
+from worker.config.settings import SETTINGS
 from worker.errors import WorkerError
-from worker.settings import SETTINGS
+from worker.start.diagnosis.rules import RULES
 
 ROOT = docs.ROOT
 GEN_DOCS = ROOT / "scripts" / "gen_docs.py"
@@ -230,9 +230,10 @@ def test_error_examples_have_the_fields_of_their_type() -> None:
 def startup_kinds() -> set[str]:
     """Every `kind` a startup_error can carry: diagnosis rules, hub pre-flight, server."""
     kinds = {rule.kind for rule in RULES if rule.explain is not None}
-    preflight = (ROOT / "worker" / "preflight.py").read_text()
+    preflight = (ROOT / "worker" / "model" / "preflight.py").read_text()
     kinds |= set(re.findall(r"kind ``(\w+)``", preflight))
-    kinds |= set(re.findall(r'kind="(\w+)"', (ROOT / "worker" / "startup.py").read_text()))
+    startup = (ROOT / "worker" / "start" / "startup.py").read_text()
+    kinds |= set(re.findall(r'kind="(\w+)"', startup))
     return kinds
 
 
@@ -269,8 +270,8 @@ def test_the_readme_is_a_landing_page() -> None:
 # -- tables that must be what the worker builds ------------------------------------------------
 @pytest.mark.parametrize("header", ["| Variable | Flag |", "| Variable (example) | Flag |"])
 def test_variable_to_flag_tables_are_what_the_worker_builds(header: str) -> None:
-    from worker.command import build_command
-    from worker.flags import FlagCatalog, packaged_catalog_path
+    from worker.config.command import build_command
+    from worker.config.flags import FlagCatalog, packaged_catalog_path
 
     catalog = FlagCatalog.load(packaged_catalog_path())
     rows = docs.table_rows(docs.page(CONFIGURATION), header)
@@ -293,11 +294,11 @@ def _error_example(kind: str, contains: str = "") -> dict[str, Any]:
 def test_error_examples_are_the_workers_words() -> None:
     """The examples are real messages: rebuilt here from the code (update the page if not)."""
     from tests.launches import launch_of
-    from worker.command import build_command
-    from worker.diagnosis import diagnose
+    from worker.config.command import build_command
+    from worker.config.flags import FlagCatalog, packaged_catalog_path
     from worker.errors import ConfigError, InvalidRequest
-    from worker.flags import FlagCatalog, packaged_catalog_path
-    from worker.routing import parse_job_input
+    from worker.jobs.routing import parse_job_input
+    from worker.start.diagnosis import diagnose
 
     with pytest.raises(InvalidRequest) as invalid:
         parse_job_input({})
@@ -316,9 +317,9 @@ def test_error_examples_are_the_workers_words() -> None:
     example = _error_example("startup_error", "max_model_len")
     assert (example["message"], example["kind"]) == (diagnosis.message, diagnosis.kind)
 
-    handler = (ROOT / "worker" / "handler.py").read_text()
-    server = (ROOT / "worker" / "supervisor.py").read_text()  # VllmProcess.death_reason
-    policy = (ROOT / "worker" / "policy.py").read_text()
+    handler = (ROOT / "worker" / "jobs" / "handler.py").read_text()
+    server = (ROOT / "worker" / "start" / "supervisor.py").read_text()  # VllmProcess.death_reason
+    policy = (ROOT / "worker" / "start" / "policy.py").read_text()
     assert "(REQUEST_TIMEOUT); the request was abandoned." in handler
     assert _error_example("timeout")["message"].endswith(
         "(REQUEST_TIMEOUT); the request was abandoned.")
@@ -328,9 +329,9 @@ def test_error_examples_are_the_workers_words() -> None:
     assert prestart.startswith("vLLM exited with code 1 during start-up for a reason the worker ")
     assert "during start-up for a reason the worker " in policy
 
-    from worker.hub_targets import plan_hub_checks
-    from worker.policy import HubDown, Start, decide
-    from worker.preflight import HubOutage
+    from worker.model.preflight import HubOutage
+    from worker.model.targets import plan_hub_checks
+    from worker.start.policy import HubDown, Start, decide
 
     image = launch_of({"MODEL_NAME": "Qwen/Qwen3-8B",
                        "HF_HUB_CACHE": "/runpod-volume/huggingface-cache/hub"})
@@ -345,8 +346,8 @@ def test_error_examples_are_the_workers_words() -> None:
 def test_the_oom_relaunch_log_lines_are_the_workers() -> None:
     """The log the out-of-memory section shows: the relaunch, the launch and the timeline."""
     from tests.launches import launch_of
-    from worker.diagnosis import diagnose
-    from worker.policy import Exited, Relaunch, Start, decide
+    from worker.start.diagnosis import diagnose
+    from worker.start.policy import Exited, Relaunch, Start, decide
 
     shown = docs.section(docs.page(ERRORS), "### The out-of-memory relaunch")
     log = docs.blocks_of(shown, "text")[0]
@@ -357,7 +358,7 @@ def test_the_oom_relaunch_log_lines_are_the_workers() -> None:
                       startup_timeout=1200)
     assert isinstance(decision, Relaunch)
     assert f"WARNING worker: relaunching vLLM once with {decision.note}\n" in log
-    startup = (ROOT / "worker" / "startup.py").read_text()
+    startup = (ROOT / "worker" / "start" / "startup.py").read_text()
     for words in ('"relaunching vLLM once with %s"', '"launching: %s"', '"vLLM healthy after'):
         assert words in startup, words
     assert "INFO worker: launching: vllm serve " in log

@@ -3,7 +3,7 @@ nothing: it is a flag of the command, a setting of the worker, a variable of vLL
 environment, or a warning that says what replaces it. None is ignored silently.
 
 The fields are tests/data/reference_form.txt (the form's file and commit are named in it),
-each with what it does here; the proof is the real :func:`worker.command.build_command`
+each with what it does here; the proof is the real :func:`worker.config.command.build_command`
 with the packaged catalog, one field at a time as a user moving an endpoint sets it. One
 test (marked ``vllm``) asks vLLM itself: the form's defaults make a command its parser
 takes, the form's VLLM_* fields are vLLM's, and the keys the speculative warning writes are
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from worker.build import vllm_environment
-from worker.command import build_command
-from worker.config import VllmCommand
-from worker.flags import FlagCatalog, packaged_catalog_path
-from worker.names import SPECULATIVE_PARTS
-from worker.settings import SETTINGS, WORKER_SETTING_NAMES, Settings
+from worker.config.command import build_command
+from worker.config.flags import FlagCatalog, packaged_catalog_path
+from worker.config.names import SPECULATIVE_PARTS
+from worker.config.resolved import VllmCommand
+from worker.config.settings import SETTINGS, WORKER_SETTING_NAMES, Settings
+from worker.start.build import vllm_environment
 
 DATA = Path(__file__).resolve().parent / "data" / "reference_form.txt"
 KINDS = ("flag", "setting", "environment", "warning")

@@ -1,7 +1,7 @@
 """A prompt or messages job's fields: sent, mapped from a former name, or refused by name.
 
-The decision is :func:`worker.request_fields.check_job_fields`, a pure function of the job and
-the running vLLM's request fields, table-tested here against the fields of the packaged
+The decision is :func:`worker.config.request_fields.check_job_fields`, a pure function of the job
+and the running vLLM's request fields, table-tested here against the fields of the packaged
 catalog (dumped from vLLM 0.32's request models); the proxy carries it out (nothing is sent for
 a refused job, a mapping's note is logged once). tests/test_e2e_sampling.py sends the same jobs
 to the real vLLM.
@@ -17,17 +17,17 @@ import httpx
 import pytest
 import respx
 
-from worker.errors import InvalidRequest
-from worker.flags import FlagCatalog, packaged_catalog_path
-from worker.handler import Proxy
-from worker.request_fields import (
+from worker.config.flags import FlagCatalog, packaged_catalog_path
+from worker.config.request_fields import (
     DOCUMENTED_SAMPLING_PARAMS,
     GUIDED_FIELDS,
     RETIRED_FIELDS,
     RequestFields,
 )
-from worker.routing import JobDefaults, parse_job_input
-from worker.settings import Settings
+from worker.config.settings import Settings
+from worker.errors import InvalidRequest
+from worker.jobs.handler import Proxy
+from worker.jobs.routing import JobDefaults, parse_job_input
 
 FIELDS = FlagCatalog.load(packaged_catalog_path()).request_fields
 assert FIELDS is not None, "the packaged catalog has no request fields"

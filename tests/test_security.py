@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi
 from tests.serving import SECRETS, Serving
-from worker.supervisor import group_members
+from worker.start.supervisor import group_members
 
 
 def every_cmdline() -> str:

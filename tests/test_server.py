@@ -17,9 +17,9 @@ import pytest
 from tests.conftest import StartWorker, free_port
 from tests.fake_job_api import FakeJobApi
 from tests.launches import launch_of
-from worker.build import vllm_environment
-from worker.config import VllmCommand
-from worker.startup import missing_baked_model
+from worker.config.resolved import VllmCommand
+from worker.start.build import vllm_environment
+from worker.start.startup import missing_baked_model
 
 
 def fake_vllm(tmp_path: Path, body: str) -> str:

@@ -1,6 +1,6 @@
 """The worker's own settings: their table, what 0 means for each number, and the new switch.
 
-:data:`worker.settings.SETTINGS` is what docs/configuration.md renders, so each claim of its
+:data:`worker.config.settings.SETTINGS` is what docs/configuration.md renders, so each claim of its
 rows is held here: a number either refuses 0 with a clear error, or says what 0 does and a
 test shows it (:data:`ZERO_SHOWN_BY`); an unset default is said in words; the settings an
 endpoint leaves alone are told apart from those it sets.
@@ -18,10 +18,10 @@ from tests.conftest import ROOT, StartWorker
 from tests.fake_job_api import FakeJobApi
 from tests.fake_openai import FakeOpenAI
 from tests.fake_vllm import fake_vllm_env, free_port
-from worker.build import Builder
+from worker.config.settings import SETTINGS, Setting, Settings
 from worker.errors import ConfigError
-from worker.handler import Proxy
-from worker.settings import SETTINGS, Setting, Settings
+from worker.jobs.handler import Proxy
+from worker.start.build import Builder
 
 NUMBERS = [s for s in SETTINGS if s.numeric]
 

@@ -71,7 +71,7 @@ def test_soak_against_the_stand_in_vllm(tmp_path: Path) -> None:
     # (The checks hold each job to it too: a job whose logged failures they cannot account
     # for is a problem.)
     assert run.log_counts[POST_FAILED] == tally.send_failures_explained()
-    # The job API refused connections, and the worker's reconnect (worker/jobapi.py) lost
+    # The job API refused connections, and the worker's reconnect (worker/jobs/jobapi.py) lost
     # nothing to it (the SDK alone loses the POST: tests/test_jobapi.py).
     assert run.log_counts["job API connect failed"] > 0
     assert tally.send_errors["refused"] == 0

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 from tests.launches import CATALOG
-from worker.build import Builder
-from worker.config import Launch
+from worker.config.resolved import Launch
+from worker.config.settings import Settings
 from worker.errors import ConfigError
-from worker.hub_messages import HubMessage
-from worker.hub_targets import plan_hub_checks
-from worker.preflight import HubOutage, PreflightResult
+from worker.model.messages import HubMessage
+from worker.model.preflight import HubOutage, PreflightResult
+from worker.model.targets import plan_hub_checks
 from worker.secrets import SecretMasker
-from worker.settings import Settings
-from worker.startup import HubCheck, Startup
-from worker.supervisor import Readiness, VllmProcess
+from worker.start.build import Builder
+from worker.start.startup import HubCheck, Startup
+from worker.start.supervisor import Readiness, VllmProcess
 
 KV_TOO_SMALL = (
     "(EngineCore pid=8) ERROR 12-01 10:00:00 [core.py:1] ValueError: To serve at least one "

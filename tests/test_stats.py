@@ -1,4 +1,4 @@
-"""The job loop's stats hook (worker/stats.py): off unless a file is named, then one JSON line
+"""The job loop's stats hook (worker/jobs/stats.py): off unless a file is named, then one JSON line
 a period with the live tasks of the loop (the soak reads it: tests/soak.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from worker.settings import Settings
-from worker.stats import StatsOptions, reporting
+from worker.config.settings import Settings
+from worker.jobs.stats import StatsOptions, reporting
 
 
 async def test_without_a_file_nothing_runs() -> None:

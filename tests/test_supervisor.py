@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from worker.secrets import SecretMasker
-from worker.supervisor import Readiness, VllmProcess, group_members, wait_until_healthy
+from worker.start.supervisor import Readiness, VllmProcess, group_members, wait_until_healthy
 
 # A parent that starts a child ignoring SIGTERM, like vLLM's engine outliving its server.
 STUBBORN = textwrap.dedent("""

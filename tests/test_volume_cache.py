@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.volume_cache import (
+from worker.model.volume_cache import (
     DEFAULT_MIN_FREE_BYTES,
     CacheChoice,
     choose_cache_root,

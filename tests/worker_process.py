@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from worker.supervisor import group_members
+from worker.start.supervisor import group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 # Variables of this machine that would change what the worker does under test.

@@ -19,7 +19,7 @@ its first second and relays every other path to vLLM on loopback, byte for byte:
   exit 1. SIGTERM → no new connections, requests in flight get ``WORKER_DRAIN_TIMEOUT``
   seconds, then vLLM's process group is stopped; exit 0.
 
-The start itself is the queue worker's (:mod:`worker.startup`): the same command, baked model,
+The start itself is the queue worker's (:mod:`worker.start.startup`): the same command, baked model,
 volume cache, hub pre-flight, relaunch policy and timeline.
 """
 
@@ -36,10 +36,10 @@ import time
 import aiohttp
 from aiohttp import web
 
-from worker.config import PROXY_IDLE_SECONDS
+from worker.config.resolved import PROXY_IDLE_SECONDS
+from worker.config.settings import Settings
 from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
-from worker.settings import Settings
-from worker.startup import StartOutcome, Startup
+from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker.lb")
 

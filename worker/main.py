@@ -1,7 +1,7 @@
 """Command line of the worker: ``python -m worker [--dry-run] [runpod's --rp_* flags]``.
 
 Only argument handling, logging and the choice of a mode live here; each mode is a small
-composition of the same parts (:mod:`worker.build`, :mod:`worker.startup`,
+composition of the same parts (:mod:`worker.start.build`, :mod:`worker.start.startup`,
 :mod:`worker.server`):
 
 * ``serverless`` — the queue worker on Runpod's job API;
@@ -23,10 +23,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from worker.build import Builder
+from worker.config.settings import Settings
 from worker.errors import ConfigError
 from worker.secrets import SecretMasker
-from worker.settings import Settings
+from worker.start.build import Builder
 
 logger = logging.getLogger("worker")
 
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if mode == "http":
         return exec_http(settings, env, masker)
 
-    from worker.startup import Startup
+    from worker.start.startup import Startup
 
     if mode == "local" and not has_gpu():
         env = {**CPU_DEFAULTS, **env}

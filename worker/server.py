@@ -1,7 +1,7 @@
 """The queue worker: start vLLM, then serve jobs — or explain the failure to every job.
 
 What the worker needs itself (importing runpod) happens while vLLM loads, so that it adds
-almost nothing once vLLM is healthy. Outcomes of a start (:mod:`worker.startup`):
+almost nothing once vLLM is healthy. Outcomes of a start (:mod:`worker.start.startup`):
 
 * healthy → the proxy answers jobs; if vLLM dies later, in-flight jobs are answered
   ``backend_unavailable``, no job is taken any more, and the worker exits non-zero;
@@ -25,13 +25,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from worker.adapters import adapter_sources
+from worker.config.settings import Settings
 from worker.errors import PrestartFailed, WorkerError
-from worker.handler import BackendFailureProbe, Proxy
-from worker.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
-from worker.settings import Settings
-from worker.startup import StartOutcome, Startup
-from worker.stats import StatsOptions
+from worker.jobs.handler import BackendFailureProbe, Proxy
+from worker.jobs.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
+from worker.jobs.stats import StatsOptions
+from worker.model.adapters import adapter_sources
+from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker")
 

@@ -1,0 +1,432 @@
+"""Environment → `vllm serve` command line: a pure translation, checked against vLLM's flags.
+
+Every environment variable whose name is the UPPER_SNAKE form of a `vllm serve` flag in the
+:class:`~worker.config.flags.FlagCatalog` becomes that flag (``MAX_MODEL_LEN=8192`` →
+``--max-model-len 8192``, ``ENFORCE_EAGER=true`` → ``--enforce-eager``). Deriving the
+mapping from vLLM's own parser means a new vLLM flag works without a worker release, and a
+typo is never guessed into some other flag (a warning names the one it probably meant).
+Everything else in the environment (PATH, HOME, the platform's variables) is ignored; what
+is said of the names that set no flag lives in :mod:`worker.config.names`.
+
+Precedence, lowest first (vLLM lets later command-line flags win over earlier ones and over
+the config file): the YAML config file (``--config``), generic variables, the legacy alias
+variables (``MODEL_NAME``, ...), ``VLLM_EXTRA_ARGS``, and last the host and port the worker
+pins so that its proxy finds vLLM.
+
+:func:`build_command` has no side effects (the file system is reached only through the
+``file_exists`` and ``read_text`` arguments), so every rule is unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from worker.config.flags import Flag, FlagCatalog
+from worker.config.inputs import read_baked_args, read_config_file, read_text
+from worker.config.names import COLLIDING_NAMES as COLLIDING_NAMES  # read here by gen_readme, tests
+from worker.config.names import (
+    EARLIER_NAMES,
+    SPECULATIVE_PARTS,
+    probable_name,
+    speculative_config_hint,
+)
+from worker.config.names import RETIRED as RETIRED
+from worker.config.render import LORA_FLAG, Rendered, render
+from worker.config.resolved import FlagSetting, FlagSource, VllmCommand
+from worker.config.settings import WORKER_SETTING_NAMES
+from worker.errors import ConfigError
+from worker.secrets import SECRET_FLAGS, is_secret_name
+
+#: Names kept from the worker's earlier releases; they win over the generic name of the
+#: same flag (``MODEL_NAME`` over ``MODEL``).
+ALIASES: Mapping[str, str] = {
+    "MODEL_NAME": "--model",
+    "MODEL_REVISION": "--revision",
+    "TOKENIZER_NAME": "--tokenizer",
+    "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "--served-model-name",
+    "OPENAI_RESPONSE_ROLE": "--response-role",
+    "CUSTOM_CHAT_TEMPLATE": "--chat-template",
+}
+
+#: Variables of the baked-model file that are defaults, not overrides: the user's own
+#: setting (a variable, the config file, VLLM_EXTRA_ARGS) wins. The image serves its model
+#: under the repo id it was built from, unless the endpoint names it otherwise.
+BAKED_DEFAULTS: frozenset[str] = frozenset({"SERVED_MODEL_NAME"})
+
+#: Flags the worker sets itself, last, so that its proxy always finds vLLM.
+PINNED_FLAGS: Mapping[str, str] = {
+    "--host": "the worker pins vLLM's host (127.0.0.1) so that only its proxy reaches it",
+    "--port": "the worker pins vLLM's port; set VLLM_PORT to change it",
+}
+
+#: Flags that would stop the worker from reaching vLLM (or make vLLM exit), with the reason.
+FORBIDDEN_FLAGS: Mapping[str, str] = {
+    "--api-key": (
+        "the worker calls vLLM on 127.0.0.1 without a key (the port is never exposed); "
+        "the platform authenticates requests"
+    ),
+    "--uds": "vLLM must listen on the host and port the worker proxies to",
+    "--headless": "a headless vLLM starts no API server for the worker to proxy to",
+    "--grpc": "it replaces the HTTP API the worker proxies to",
+    "--help": "vLLM would print its help and exit; see `vllm serve --help=all`",
+    "--config": "name the YAML file in VLLM_CONFIG_FILE instead",
+    "--hf-token": "keep the token in HF_TOKEN: vLLM reads it from the environment",
+}
+_FORBIDDEN_PREFIXES: Mapping[str, str] = {
+    "--ssl-": "the worker speaks plain HTTP to vLLM on 127.0.0.1 (the platform terminates TLS)",
+    "--enable-ssl-": "the worker speaks plain HTTP to vLLM on 127.0.0.1 (the platform "
+    "terminates TLS)",
+}
+
+#: Values that mean "not set" for some flags (earlier releases of the worker used them).
+UNSET_VALUES: Mapping[str, str] = {"MAX_NUM_BATCHED_TOKENS": "0"}
+
+_MODEL_FLAG = "--model"
+_ENABLELORA_FLAG = "--enable-lora"
+
+
+@dataclass
+class _Choice:
+    """One environment variable's claim on a flag, before it is rendered."""
+
+    flag: Flag
+    var: str
+    value: str
+    source: FlagSource
+    rank: int
+
+
+def build_command(
+    env: Mapping[str, str],
+    catalog: FlagCatalog,
+    *,
+    vllm_executable: str = "vllm",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    config_default: str = "/vllm_config.yaml",
+    baked_args_path: str = "/local_model_args.json",
+    file_exists: Callable[[str], bool] = os.path.exists,
+    read_text: Callable[[str], str] = read_text,
+) -> VllmCommand:
+    """Translate ``env`` into the `vllm serve` command; ConfigError when it cannot be done.
+
+    ``catalog`` says which flags exist and how they take values. A baked model
+    (``baked_args_path``) overrides the model variables and makes vLLM run offline.
+    """
+    warnings: list[str] = []
+    flags: dict[str, FlagSetting] = {}
+    env_overrides: dict[str, str] = {}
+
+    values = dict(env)
+    baked: dict[str, str] = {}
+    overrides: dict[str, str] = {}  # the baked values that replace the user's
+    if file_exists(baked_args_path):
+        baked = read_baked_args(baked_args_path, read_text)
+        overrides = {k: v for k, v in baked.items() if k not in BAKED_DEFAULTS}
+        for name, value in overrides.items():
+            mine = env.get(name, "").strip()
+            if mine and mine != value:
+                warnings.append(
+                    f"{name}={mine!r} is replaced by {value!r} from {baked_args_path} (the model "
+                    "baked into the image); rebuild the image to change it"
+                )
+        values.update(overrides)
+        env_overrides["HF_HUB_OFFLINE"] = "1"
+
+    config_path, config_flags = read_config_file(values, catalog, config_default, file_exists,
+                                                 read_text, warnings, _check_explicit_flag)
+    if config_path is not None:
+        explicit = bool(values.get("VLLM_CONFIG_FILE", "").strip())
+        source = FlagSource("env", "VLLM_CONFIG_FILE") if explicit else FlagSource("worker")
+        _record(flags, "--config", FlagSetting(source, (config_path,)))
+        for name, setting in config_flags.items():
+            _record(flags, name, setting)
+
+    chosen = _choose(values, catalog, overrides, baked_args_path, warnings)
+    extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings)
+    # A baked default (the repo id as the served name) applies where the user set nothing.
+    for name, value in baked.items():
+        flag = catalog.by_env_name(name)
+        if name in BAKED_DEFAULTS and flag is not None and not (
+            {flag.name} & (chosen.keys() | extra_flags.keys() | flags.keys())
+        ):
+            chosen[flag.name] = _Choice(flag, name, value,
+                                        FlagSource("baked", name, baked_args_path), 0)
+
+    model: list[str] = []
+    flag_args: list[str] = []
+    for name in sorted(chosen):
+        choice = chosen[name]
+        if name == _MODEL_FLAG and catalog.model_positional:
+            model = [choice.value]
+            rendered = Rendered(model, (choice.value,))
+        else:
+            rendered = render(choice.flag, choice.var, choice.value)
+            if not rendered.args:
+                continue  # a switch turned off: nothing on the command line, nothing to trace
+            flag_args += rendered.args
+        _record(flags, name, FlagSetting(choice.source, rendered.values, rendered.switch))
+        if choice.flag.deprecated:
+            warnings.append(f"{choice.var} sets {name}, which vLLM {catalog.version} deprecates")
+
+    for name, setting in extra_flags.items():
+        _record(flags, name, setting)
+    worker_args = _enable_lora(flags, catalog, warnings)
+    if _MODEL_FLAG not in flags:  # not from a variable, the config file or extra args
+        warnings.append(
+            "no model is set: set MODEL_NAME (e.g. MODEL_NAME=Qwen/Qwen3-0.6B); "
+            "vLLM would serve its default model"
+        )
+
+    argv = [vllm_executable, "serve", *model]
+    if config_path is not None:
+        argv += ["--config", config_path]
+    argv += [*flag_args, *extra, *worker_args, "--host", host, "--port", str(port)]
+    _record(flags, "--host", FlagSetting(FlagSource("worker"), (host,)))
+    _record(flags, "--port", FlagSetting(FlagSource("worker"), (str(port),)))
+    return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides,
+                       request_fields=catalog.request_fields)
+
+
+def _enable_lora(
+    flags: dict[str, FlagSetting], catalog: FlagCatalog, warnings: list[str]
+) -> list[str]:
+    """``--enable-lora`` when adapters are given without it (vLLM would refuse to start).
+
+    vLLM 0.32 loads ``--lora-modules`` at start and exits with "LoRA is not enabled" without
+    ``--enable-lora``: adapters the user listed are a request for LoRA. Turning LoRA off
+    explicitly while listing adapters is a contradiction only the user can settle.
+    """
+    modules, enable = flags.get(LORA_FLAG), flags.get(_ENABLELORA_FLAG)
+    if modules is None or catalog.get(_ENABLELORA_FLAG) is None:
+        return []
+    where = modules.source.setting(LORA_FLAG) or LORA_FLAG
+    if enable is not None and enable.switch is False:
+        raise ConfigError(
+            f"{where} lists LoRA adapters but {enable.source.setting(_ENABLELORA_FLAG)} turns "
+            "LoRA off: set ENABLE_LORA=true (or leave it unset), or remove the adapters"
+        )
+    if enable is not None:
+        return []
+    warnings.append(f"{where} lists LoRA adapters: the worker adds --enable-lora, which vLLM "
+                    "needs to load them (set ENABLE_LORA=true to say so yourself)")
+    _record(flags, _ENABLELORA_FLAG, FlagSetting(FlagSource("worker"), switch=True))
+    return [_ENABLELORA_FLAG]
+
+
+def _record(flags: dict[str, FlagSetting], flag: str, setting: FlagSetting) -> None:
+    """Note the setting that wins for ``flag``, moved to the end: flags read in argv order."""
+    flags.pop(flag, None)
+    flags[flag] = setting
+
+
+def _choose(
+    values: Mapping[str, str],
+    catalog: FlagCatalog,
+    baked: Mapping[str, str],
+    baked_args_path: str,
+    warnings: list[str],
+) -> dict[str, _Choice]:
+    """Pick, for each flag, the one variable that sets it (aliases win, then canonical names)."""
+    claims: list[_Choice] = []
+    unknown: list[str] = []
+    for var, value in values.items():
+        if not value.strip():
+            continue  # an empty variable is unset (Runpod's UI leaves many of them empty)
+        flag, kind = _flag_of(var, catalog, warnings)
+        if kind == "unknown":
+            unknown.append(var)
+        if flag is None:
+            continue
+        if UNSET_VALUES.get(var) == value.strip():
+            warnings.append(f"{var}={value} means unset (the earlier worker's default); ignored")
+            continue
+        if var in baked:
+            source = FlagSource("baked", var, baked_args_path)
+        else:
+            source = FlagSource("alias" if kind == "alias" else "env", var)
+        rank = 2 if kind == "alias" else int(var == flag.env_name)
+        claims.append(_Choice(flag, var, value, source, rank))
+
+    chosen: dict[str, _Choice] = {}
+    for claim in sorted(claims, key=lambda c: (c.rank, c.var)):
+        previous = chosen.get(claim.flag.name)
+        if previous is not None:
+            warnings.append(
+                f"{previous.var}={previous.value!r} is ignored: {claim.var} sets the same "
+                f"flag ({claim.flag.name})"
+            )
+        chosen[claim.flag.name] = claim
+    _explain_ignored(values, unknown, catalog, warnings)
+    return chosen
+
+
+def _explain_ignored(
+    values: Mapping[str, str], unknown: list[str], catalog: FlagCatalog, warnings: list[str]
+) -> None:
+    """Say what the variables that set nothing were meant as: the earlier speculative
+    variables as one SPECULATIVE_CONFIG, and the names that look like typos of a known one."""
+    hint = speculative_config_hint(
+        values, [var for var in SPECULATIVE_PARTS if catalog.by_env_name(var) is None],
+        catalog.version,
+    )
+    if hint is not None:
+        warnings.append(hint)
+    if not unknown:
+        return
+    known = _typo_targets(catalog)
+    for var in unknown:
+        option = "--" + var.lower().replace("_", "-")
+        pair = catalog.get(option)
+        if pair is not None and pair.negative == option:  # NO_ENFORCE_EAGER
+            warnings.append(f"{var} is ignored: {option} is set by {pair.env_name}=false")
+            continue
+        meant = probable_name(var, known)
+        if meant is None:
+            continue
+        flag = catalog.by_env_name(meant)
+        what = ALIASES.get(meant) or (flag.name if flag is not None else "a setting of the worker")
+        warnings.append(
+            f"{var} is ignored: it is no flag of vLLM {catalog.version} and no setting of the "
+            f"worker; did you mean {meant} ({what})?"
+        )
+
+
+def _typo_targets(catalog: FlagCatalog) -> frozenset[str]:
+    """The names a typo is taken for: every flag variable the worker passes on, its settings
+    and its aliases (not the reserved flags, secrets, or names that belong to others)."""
+    flags = {flag.env_name for flag in catalog
+             if _reserved_reason(flag.name) is None and not is_secret_name(flag.env_name)}
+    return frozenset((flags | WORKER_SETTING_NAMES | ALIASES.keys()) - COLLIDING_NAMES)
+
+
+def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag | None, str]:
+    """The flag a variable sets (None when it sets none) and how (``alias`` or ``env``).
+
+    Warns about variables that clearly meant a flag but cannot be used (reserved, retired,
+    earlier names); ``unknown`` is a name the worker knows nothing of (PATH, or a typo).
+    """
+    if var in WORKER_SETTING_NAMES or var in COLLIDING_NAMES:
+        return None, ""
+    if var in ALIASES:
+        flag = catalog.get(ALIASES[var])
+        if flag is None:
+            warnings.append(f"{var} is ignored: vLLM {catalog.version} has no {ALIASES[var]}")
+        return flag, "alias"
+    flag = catalog.by_env_name(var)
+    if flag is None:
+        if var in SPECULATIVE_PARTS:
+            return None, ""  # one warning says all of them, with their SPECULATIVE_CONFIG
+        if var in RETIRED:
+            warnings.append(
+                f"{var} is ignored: vLLM {catalog.version} removed that flag; {RETIRED[var]}"
+            )
+        elif var in EARLIER_NAMES:
+            warnings.append(
+                f"{var} is ignored: it is no flag of vLLM {catalog.version} and no setting of "
+                f"this worker (the earlier worker's name); {EARLIER_NAMES[var]}"
+            )
+        else:
+            return None, "unknown"
+        return None, ""
+    reason = _reserved_reason(flag.name)
+    if reason is not None:
+        warnings.append(f"{var} is ignored: {reason}")
+        return None, ""
+    if is_secret_name(var):
+        warnings.append(
+            f"{var} is not passed to vLLM: its name marks it as a secret, and secrets never go "
+            f"on the command line; if it is none, use VLLM_EXTRA_ARGS='{flag.name} VALUE'"
+        )
+        return None, ""
+    return flag, "env"
+
+
+def _reserved_reason(name: str) -> str | None:
+    """Why the worker never sets flag ``name`` from the environment (None: it may)."""
+    if name in PINNED_FLAGS:
+        return PINNED_FLAGS[name]
+    if name in FORBIDDEN_FLAGS:
+        return FORBIDDEN_FLAGS[name]
+    for prefix, reason in _FORBIDDEN_PREFIXES.items():
+        if name.startswith(prefix):
+            return reason
+    return None
+
+
+def _check_explicit_flag(name: str, where: str, warnings: list[str]) -> None:
+    """Vet a flag written out by the user (config file, VLLM_EXTRA_ARGS).
+
+    Pinned flags are overridden by the worker (a warning); flags that would cut the worker
+    off from vLLM, or put a secret in argv, are a ConfigError.
+    """
+    if name in PINNED_FLAGS:
+        warnings.append(f"{name} in {where} is overridden: {PINNED_FLAGS[name]}")
+        return
+    reason = _reserved_reason(name)
+    if reason is None and name in SECRET_FLAGS:
+        reason = "secrets never go on the command line"
+    if reason is not None:
+        raise ConfigError(f"{where}: {name} cannot be used: {reason}")
+
+
+def _extra_args(
+    raw: str,
+    catalog: FlagCatalog,
+    chosen: dict[str, _Choice],
+    warnings: list[str],
+) -> tuple[list[str], dict[str, FlagSetting]]:
+    """VLLM_EXTRA_ARGS, shell-split, and the flags it sets (they replace those of variables)."""
+    if not raw.strip():
+        return [], {}
+    try:
+        args = shlex.split(raw)
+    except ValueError as exc:
+        raise ConfigError(
+            f"VLLM_EXTRA_ARGS={raw!r} is not valid shell syntax ({exc}); quote values that "
+            "hold spaces, e.g. VLLM_EXTRA_ARGS='--max-model-len 8192 --chat-template \"{{x}}\"'"
+        ) from exc
+    settings: dict[str, FlagSetting] = {}
+    for index, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        option, eq, inline = arg.partition("=")
+        base = option.split(".", 1)[0]
+        flag = catalog.get(base)
+        if flag is None and not base.startswith("--"):
+            continue  # a value such as -1, or a short option vLLM may know better than us
+        name = flag.name if flag is not None else "--" + base[2:].replace("_", "-")
+        _check_explicit_flag(name, "VLLM_EXTRA_ARGS", warnings)
+        previous = chosen.pop(name, None)
+        if previous is not None:
+            warnings.append(
+                f"{previous.var}={previous.value!r} is overridden by VLLM_EXTRA_ARGS ({name})"
+            )
+        earlier = settings.pop(name, None)
+        setting = _extra_setting(flag, option, inline if eq else None, args[index + 1 :])
+        if earlier is not None and flag is not None and flag.append:
+            setting = FlagSetting(setting.source, earlier.values + setting.values)
+        settings[name] = setting
+    return args, settings
+
+
+def _extra_setting(
+    flag: Flag | None, option: str, inline: str | None, rest: list[str]
+) -> FlagSetting:
+    """What one flag of VLLM_EXTRA_ARGS sets, read as vLLM's parser reads it.
+
+    A dotted option (``--compilation-config.mode 3``) sets part of a flag: no values to read.
+    """
+    source = FlagSource("extra_args")
+    if flag is not None and flag.kind != "value" and "." not in option:
+        return FlagSetting(source, switch=option != flag.negative)
+    if inline is not None or "." in option:
+        return FlagSetting(source, (inline,) if inline is not None and "." not in option else ())
+    following = list(itertools.takewhile(lambda arg: not arg.startswith("--"), rest))
+    if flag is None or not flag.multi or flag.append:
+        following = following[:1]
+    return FlagSetting(source, tuple(following))

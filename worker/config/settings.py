@@ -1,0 +1,372 @@
+"""The worker's own settings: one typed object, read from the environment once.
+
+These are the knobs of the worker itself (ports, concurrency, timeouts, stream batching).
+Everything else in the environment that names a `vllm serve` flag is vLLM's business and is
+translated by :mod:`worker.config.command`. The table :data:`SETTINGS` is the single source of
+truth: the parser, the settings tables of docs/configuration.md (scripts/gen_docs.py) and the
+command translator (which must never turn these names into flags) all read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker.config.values import parse_bool
+from worker.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable of the worker: its name, default, parser and meaning.
+
+    ``field`` is the :class:`Settings` attribute; None for the two inputs of the command
+    itself (``VLLM_CONFIG_FILE``, ``VLLM_EXTRA_ARGS``), which :mod:`worker.config.command` reads
+    from the environment it builds from: a relaunch changes them there.
+
+    ``shown_default`` is what the docs say the default is, where the value itself would
+    mislead (None or "" for "unset", a default that depends on the mode). ``zero`` says what
+    0 does, for a number that accepts it ("turns the check off"; a number that refuses 0
+    says why by itself).
+    ``internal`` marks what the image, the tests or a maintainer's tool set, not an endpoint.
+    """
+
+    env: str
+    field: str | None
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    shown_default: str = ""
+    zero: str = ""
+    internal: bool = False
+
+    @property
+    def numeric(self) -> bool:
+        return self.parse in _NUMBERS
+
+    @property
+    def example(self) -> str:
+        """A value to show in an error: the default as a user writes it, else ``...``."""
+        return "..." if self.default in (None, "") else format_value(self.default)
+
+    def zero_refused(self) -> str | None:
+        """Why 0 is refused (the parser's words); None when 0 is a value."""
+        try:
+            self.parse("0")
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+
+def format_value(value: object) -> str:
+    """A value as a user writes it in the environment: ``true``, ``3`` (not ``3.0``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):  # also refuses nan and inf
+        raise ValueError("must be a finite number, 0 or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("must be a finite number above 0")
+    return value
+
+
+def _growth_factor(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError("must be a finite number, at least 1")
+    return value
+
+
+def _yes_no(text: str) -> bool:
+    value = parse_bool(text)
+    if value is None:
+        raise ValueError("must be true or false, or 1/0, yes/no, on/off")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError("must be a TCP port, 1 to 65535")
+    return value
+
+
+MODES = ("serverless", "lb", "http", "local")
+
+
+def _mode(text: str) -> str:
+    value = text.strip().lower()
+    if value not in MODES:
+        raise ValueError(f"must be one of {', '.join(MODES)}")
+    return value
+
+
+def _path(text: str) -> str:
+    value = text.strip()
+    if not value.startswith("/") or any(ch.isspace() for ch in value):
+        raise ValueError("must be an absolute path such as /ping")
+    return value
+
+
+def _log_level(text: str) -> str:
+    value = text.strip().upper()
+    if value not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR")
+    return value
+
+
+def _text(text: str) -> str:
+    return text
+
+
+_NUMBERS: frozenset[Callable[[str], Any]] = frozenset(
+    {_positive_int, _non_negative_float, _positive_float, _growth_factor, _port})
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # -- what an endpoint sets ---------------------------------------------------------------
+    Setting("WORKER_MODE", "mode", "", _mode,
+            "serverless, lb, http or local: what the worker runs. Set lb on a load-balancing "
+            "endpoint.",
+            shown_default="serverless on a queue endpoint (Runpod's job environment is "
+                          "present), else http"),
+    Setting("PORT", "port", None, _port,
+            "Port the worker serves on: vLLM's API in `lb` mode, the SDK's local API in "
+            "`local` mode and `vllm serve` itself in `http` mode.",
+            shown_default="80 in `lb` mode (the load balancer's), else 8000"),
+    Setting("PORT_HEALTH", "health_port", None, _port,
+            "`lb` mode: the port of the health check.", shown_default="PORT"),
+    Setting("HEALTH_CHECK_PATH", "health_check_path", "/ping", _path,
+            "`lb` mode: the path of the health check (204 while vLLM starts, 200 when "
+            "healthy)."),
+    Setting("VLLM_PORT", "vllm_port", 18000, _port,
+            "Port of vLLM's API on 127.0.0.1, inside the container (never exposed); change it "
+            "only when something else in the container needs 18000."),
+    Setting("MAX_CONCURRENCY", "max_concurrency", 30, _positive_int,
+            "Jobs this worker runs at once (runpod concurrency_modifier and the HTTP pool)."),
+    Setting("DEFAULT_MAX_TOKENS", "default_max_tokens", None, _positive_int,
+            "Tokens to generate for a prompt or messages job that sets no max_tokens.",
+            shown_default="vLLM's default: 16 for a prompt, up to the context for messages"),
+    Setting("DEFAULT_BATCH_SIZE", "default_batch_size", 50, _positive_int,
+            "Largest number of SSE events per streamed yield (a job's max_batch_size wins)."),
+    Setting("DEFAULT_MIN_BATCH_SIZE", "default_min_batch_size", 1, _positive_int,
+            "Events in the first streamed yield (a job's min_batch_size wins)."),
+    Setting("DEFAULT_BATCH_SIZE_GROWTH_FACTOR", "default_batch_size_growth_factor", 3.0,
+            _growth_factor,
+            "Factor by which the batch grows after each yield (a job's batch_size_growth_factor "
+            "wins)."),
+    Setting("DEFAULT_MAX_BATCH_DELAY", "default_max_batch_delay", 0.25, _non_negative_float,
+            "Seconds an SSE event may wait for its batch to fill once the previous yield was "
+            "posted (a job's max_batch_delay wins).",
+            zero="makes every yield wait for its full batch (or the stream's end)"),
+    Setting("REQUEST_TIMEOUT", "request_timeout", 600.0, _non_negative_float,
+            "Seconds without a byte from vLLM before a job fails with `timeout` "
+            "(a read timeout, not a cap on a long stream).",
+            zero="turns the read timeout off (the endpoint's execution timeout still bounds a "
+                 "job)"),
+    Setting("VLLM_STARTUP_TIMEOUT", "startup_timeout", 1200.0, _positive_float,
+            "Seconds vLLM may take to become healthy (download and load the model included) "
+            "before the start counts as failed."),
+    Setting("WORKER_OOM_RELAUNCH", "oom_relaunch", True, _yes_no,
+            "After an out-of-memory start, relaunch vLLM once with ENFORCE_EAGER=true and "
+            "MAX_NUM_BATCHED_TOKENS=8192; false fails the start with startup_error instead."),
+    Setting("WORKER_DRAIN_TIMEOUT", "drain_timeout", 30.0, _non_negative_float,
+            "On SIGTERM, seconds in-flight jobs get to finish before vLLM is stopped.",
+            zero="cancels the jobs in flight at once"),
+    Setting("PRESTART_FAILED_WAIT", "prestart_failed_wait", 60.0, _non_negative_float,
+            "After an unrecognised start failure, seconds to wait for a job to answer with "
+            "`prestart_failed` before exiting.",
+            zero="exits at once, without waiting for a job to tell"),
+    Setting("HUB_CHECK_TIMEOUT", "hub_check_timeout", 15.0, _non_negative_float,
+            "Seconds the pre-flight check of the model, tokenizer and LoRA repos on Hugging "
+            "Face may take (exists, access, revision); no answer in time only logs a warning.",
+            zero="turns the check off"),
+    Setting("HUB_RETRY_TIMEOUT", "hub_retry_timeout", 15.0, _non_negative_float,
+            "Seconds the worker keeps asking a Hub that does not answer (refused, no answer in "
+            "time, 5xx) about a model that is not cached, 1, 2, 4 and 8 s apart, before it "
+            "answers a job with `hub_unreachable` and exits for a fresh worker.",
+            zero="gives up at the first failure"),
+    Setting("WORKER_PREFETCH", "prefetch", True, _yes_no,
+            "Download the files vLLM will read of a model that is not cached from the start, "
+            "beside vLLM's own start-up (false: vLLM downloads them itself, later)."),
+    Setting("WORKER_PROGRESS_INTERVAL", "progress_interval", 10.0, _positive_float,
+            "Seconds between two log lines on a download's progress during the start."),
+    Setting("BASE_PATH", "base_path", "/runpod-volume", _text,
+            "Where a network volume is mounted; vLLM's compile cache goes to "
+            "BASE_PATH/vllm-cache when it is writable and has room."),
+    Setting("VOLUME_CACHE_MIN_FREE_GIB", "volume_cache_min_free_gib", 1.0, _non_negative_float,
+            "Free space (GiB) the volume needs for vLLM's cache to go there; set "
+            "VLLM_CACHE_ROOT yourself to choose another place.",
+            zero="puts the cache on the volume whenever it is writable"),
+    Setting("WORKER_LOG_LEVEL", "log_level", "INFO", _log_level,
+            "Level of the worker's own log lines (DEBUG, INFO, WARNING, ERROR)."),
+    Setting("VLLM_CONFIG_FILE", None, "", _text,
+            "vLLM YAML config passed as --config.",
+            shown_default="/vllm_config.yaml when it exists"),
+    Setting("VLLM_EXTRA_ARGS", None, "", _text,
+            "Arguments appended verbatim (shell-split) to `vllm serve`; they win over all.",
+            shown_default="none"),
+    # -- what the image, the tests and the maintainers' tools set ----------------------------
+    Setting("VLLM_FLAG_CATALOG", "flag_catalog", "", _text,
+            "Path of the JSON catalog of `vllm serve` flags, dumped by the image's vLLM at "
+            "build time.",
+            shown_default="`/opt/worker/vllm-flags.json` in the image (its Dockerfile sets it); "
+                          "elsewhere the catalog of the installed vLLM",
+            internal=True),
+    Setting("BAKED_MODEL_FILE", "baked_model_file", "/local_model_args.json", _text,
+            "The file naming a model baked into the image (written by the image build); its "
+            "values replace the model variables, and vLLM runs offline.",
+            internal=True),
+    Setting("VLLM_EXECUTABLE", "vllm_executable", "vllm", _text,
+            "The `vllm` command to run (a name on PATH or a path); the tests point it at the "
+            "CPU vLLM.",
+            internal=True),
+    Setting("VLLM_BASE_URL", "vllm_base_url", "", _text,
+            "Address of vLLM for the handler alone (the tests' stand-ins); must be a loopback "
+            "address.",
+            shown_default="http://127.0.0.1:VLLM_PORT", internal=True),
+    Setting("WORKER_STATS_FILE", "stats_file", "", _text,
+            "A file the job loop appends its live asyncio tasks, Python memory blocks, threads "
+            "and jobs in flight to, one JSON line a period (for soak runs).",
+            shown_default="off", internal=True),
+    Setting("WORKER_STATS_INTERVAL", "stats_interval", 1.0, _positive_float,
+            "Seconds between two lines of WORKER_STATS_FILE.", internal=True),
+)
+
+WORKER_SETTING_NAMES: frozenset[str] = frozenset(s.env for s in SETTINGS)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The worker's configuration. Build it with :meth:`from_env`."""
+
+    vllm_port: int = 18000
+    port: int | None = None
+    health_port: int | None = None
+    health_check_path: str = "/ping"
+    vllm_executable: str = "vllm"
+    vllm_base_url: str = ""
+    max_concurrency: int = 30
+    default_batch_size: int = 50
+    default_min_batch_size: int = 1
+    default_batch_size_growth_factor: float = 3.0
+    default_max_batch_delay: float = 0.25
+    default_max_tokens: int | None = None
+    request_timeout: float = 600.0
+    startup_timeout: float = 1200.0
+    oom_relaunch: bool = True
+    drain_timeout: float = 30.0
+    prestart_failed_wait: float = 60.0
+    hub_check_timeout: float = 15.0
+    hub_retry_timeout: float = 15.0
+    prefetch: bool = True
+    progress_interval: float = 10.0
+    base_path: str = "/runpod-volume"
+    volume_cache_min_free_gib: float = 1.0
+    log_level: str = "INFO"
+    mode: str = ""
+    stats_file: str = ""
+    stats_interval: float = 1.0
+    flag_catalog: str = ""
+    baked_model_file: str = "/local_model_args.json"
+    queue: bool = False
+    """Runpod's job environment is present (``RUNPOD_WEBHOOK_GET_JOB``): a queue endpoint."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Parse every setting present in ``env``; an invalid value is a ConfigError."""
+        defaults = cls.defaults(env)
+        values: dict[str, Any] = {"queue": defaults.queue}
+        for setting in SETTINGS:
+            raw = env.get(setting.env, "").strip()
+            if not raw or setting.field is None:
+                continue
+            try:
+                values[setting.field] = setting.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"{setting.env}={raw!r} is not valid ({exc}); "
+                    f"for example {setting.env}={setting.example}."
+                ) from None
+        settings = cls(**values)
+        if settings.effective_mode == "lb" and settings.vllm_port in (
+            settings.effective_port, settings.effective_health_port
+        ):
+            raise ConfigError(
+                f"VLLM_PORT={settings.vllm_port} is also the port requests or health checks "
+                "arrive on (PORT / PORT_HEALTH): set VLLM_PORT to another port, e.g. 18000."
+            )
+        return settings
+
+    @classmethod
+    def defaults(cls, env: Mapping[str, str]) -> Settings:
+        """Every setting at its default, on the endpoint and in the mode ``env`` says.
+
+        For a worker whose settings are wrong: it still knows where it runs, to explain why.
+        """
+        try:
+            mode = _mode(env.get("WORKER_MODE", "")) if env.get("WORKER_MODE", "").strip() else ""
+        except ValueError:
+            mode = ""
+        return cls(queue=bool(env.get("RUNPOD_WEBHOOK_GET_JOB", "").strip()), mode=mode)
+
+    @property
+    def effective_mode(self) -> str:
+        """WORKER_MODE, else ``serverless`` on a queue endpoint and ``http`` anywhere else."""
+        return self.mode or ("serverless" if self.queue else "http")
+
+    @property
+    def effective_port(self) -> int:
+        """PORT, else the mode's default: 80 for the load balancer, 8000 otherwise."""
+        if self.port is not None:
+            return self.port
+        return 80 if self.effective_mode == "lb" else 8000
+
+    @property
+    def effective_health_port(self) -> int:
+        return self.health_port if self.health_port is not None else self.effective_port
+
+    @property
+    def base_url(self) -> str:
+        """Where vLLM listens; always loopback (checked by the handler)."""
+        return self.vllm_base_url.rstrip("/") or f"http://127.0.0.1:{self.vllm_port}"
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_table_matches_dataclass() -> None:
+    # The table and the dataclass must agree, or the docs would document a lie; an unset
+    # default is said in words, and what 0 does is said for every number that accepts it.
+    fields = {f.name: f.default for f in dataclasses.fields(Settings)}
+    for setting in SETTINGS:
+        if setting.field is not None and fields.get(setting.field, object()) != setting.default:
+            raise AssertionError(f"SETTINGS row {setting.env} disagrees with Settings")
+        if setting.default in (None, "") and not setting.shown_default:
+            raise AssertionError(f"SETTINGS row {setting.env}: say its default in words")
+        if setting.numeric and (setting.zero_refused() is None) != bool(setting.zero):
+            raise AssertionError(f"SETTINGS row {setting.env}: say what 0 does, if it is a value")
+
+
+_check_table_matches_dataclass()

@@ -1,0 +1,510 @@
+"""The proxy: one job in, one HTTP request to the local vLLM, its answer out.
+
+:meth:`Proxy.handle` is the async generator given to the runpod SDK. Non-streaming answers are
+yielded once (a dict for JSON, text otherwise). Streams are relayed as text holding whole
+SSE events, byte for byte as vLLM sent them: the bytes are only cut after an event's blank
+line, so no event and no UTF-8 character is ever split. vLLM's stream is read by a
+background task into a buffer, so a slow consumer (the SDK POSTs each yield before asking
+for the next) never slows vLLM down, and each yield takes everything buffered.
+
+Every failure is yielded as ``{"error": "<JSON of a WorkerError>"}``, which runpod 1.12
+turns into a FAILED job whose ``error`` is that JSON text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import aiohttp
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from worker.config.request_fields import RequestFields
+from worker.config.resolved import PROXY_IDLE_SECONDS
+from worker.config.settings import Settings
+from worker.errors import (
+    BackendUnavailable,
+    ConfigError,
+    RequestTimeout,
+    VllmError,
+    WorkerError,
+)
+from worker.jobs.forms import httpx_parts
+from worker.jobs.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input, sent_model
+
+logger = logging.getLogger("worker.handler")
+
+# An SSE event ends with a blank line; the spec allows three line-ending styles.
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# Routes whose request models reject unknown fields: never add "model" to those bodies.
+_NO_DEFAULT_MODEL = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_CONNECT_ATTEMPTS = 4
+
+BackendFailureProbe = Callable[[], Awaitable[str | None]]
+
+
+def _is_loopback(url: str) -> bool:
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _aiohttp_cause(exc: BaseException) -> BaseException | None:
+    """aiohttp's own error under httpx's, or None (another transport, as in tests).
+
+    httpx-aiohttp maps aiohttp's errors loosely (a refused connection arrives as
+    ``ConnectTimeout``, a mid-response disconnect too), so the predicates below read it.
+    """
+    cause = exc.__cause__
+    return cause if isinstance(cause, aiohttp.ClientError | asyncio.TimeoutError) else None
+
+
+def _is_connect_failure(exc: BaseException) -> bool:
+    """True when the request never reached vLLM, so sending it again is safe."""
+    if (cause := _aiohttp_cause(exc)) is not None:
+        return isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+    return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def _is_closed_unanswered(exc: BaseException) -> bool:
+    """True when vLLM closed the connection before its answer began (the send fails only
+    before the head: the body is read later).
+
+    A live vLLM does so only to a connection it was closing: uvicorn answers 500 to a route's
+    unhandled exception, logs it, then closes that connection, which the client may have
+    taken from its pool for the next request meanwhile. That request was never read, so
+    sending it again once is safe; a vLLM known dead is not sent to again (``_send``).
+    """
+    if (cause := _aiohttp_cause(exc)) is not None:
+        return isinstance(cause, aiohttp.ServerDisconnectedError) or (
+            isinstance(cause, aiohttp.ClientOSError)
+            and not isinstance(cause, aiohttp.ClientConnectorError))
+    return isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError)
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    if (cause := _aiohttp_cause(exc)) is not None:
+        return isinstance(cause, aiohttp.ServerTimeoutError) and not isinstance(
+            cause, aiohttp.ConnectionTimeoutError
+        )
+    return isinstance(exc, httpx.ReadTimeout)
+
+
+class AdapterErrors(Protocol):
+    """What the proxy asks of the adapters a job may name (the model stage's
+    :class:`worker.model.adapters.AdapterSources`, handed in by the mode that serves)."""
+
+    def explain(self, status: int, vllm: Any, name: str | None) -> str | None:
+        """What to tell a job that named ``name`` and got ``status`` with vLLM's error object
+        ``vllm``; None when the failure is not about an adapter."""
+        ...
+
+
+class _NoCookies(httpx.Cookies):
+    def extract_cookies(self, response: httpx.Response) -> None:
+        pass
+
+
+class _LoopbackClient(httpx.AsyncClient):
+    """An httpx client without a cookie jar.
+
+    vLLM sets no cookies, and one jar shared by every job would carry one job's cookies
+    into the next; skipping the jar also saves ~10% of the CPU per request.
+    """
+
+    _no_cookies = _NoCookies()
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return self._no_cookies
+
+    @cookies.setter
+    def cookies(self, value: object) -> None:
+        pass
+
+
+class _SseRelay:
+    """Reads an SSE body in the background and hands out batches of whole events.
+
+    The reader task owns the response: cancelling it closes the connection, which is how
+    vLLM learns to abort the generation.
+    """
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._pending: list[str] = []
+        self._pending_events = 0
+        self._first_pending_at = 0.0  # when the oldest event still waiting arrived
+        self._finished = False
+        self._error: BaseException | None = None
+        self._wakeup = asyncio.Event()
+        self._target = 1  # events the consumer waits for; wake it only then
+        self._wake_on_first = False  # ... or at the first one, to start its clock
+        self._loop = asyncio.get_running_loop()
+        self._response = response
+        self._reader = asyncio.create_task(self._read(response.aiter_bytes()))
+
+    def abandon(self, _owner: object = None) -> None:
+        """Stop reading and close the response now (callable from a done-callback)."""
+        if not self._reader.done():
+            logger.debug("the job's task ended: cutting vLLM's stream")
+        self._reader.cancel()
+
+    async def _read(self, chunks: AsyncIterator[bytes]) -> None:
+        buffer = bytearray()
+        try:
+            async for chunk in chunks:
+                # A terminator is at most 4 bytes: rescan only the seam with the new chunk.
+                scan_from = max(0, len(buffer) - 3)
+                buffer += chunk
+                cut, count = 0, 0
+                for match in _EVENT_END.finditer(buffer, scan_from):
+                    cut, count = match.end(), count + 1
+                if count:
+                    self._add(buffer[:cut].decode("utf-8", errors="replace"), count)
+                    del buffer[:cut]
+            if buffer:  # an unterminated last event: relay it as it is
+                self._add(buffer.decode("utf-8", errors="replace"), 1)
+        except Exception as exc:  # handed to the consumer, which maps it
+            self._error = exc
+        except asyncio.CancelledError:
+            logger.debug("vLLM's stream cut: closing its connection")
+            raise
+        finally:
+            self._finished = True
+            self._wakeup.set()
+            await self._response.aclose()
+
+    def _add(self, text: str, events: int) -> None:
+        if not self._pending_events:
+            self._first_pending_at = self._loop.time()
+        self._pending.append(text)
+        self._pending_events += events
+        if self._pending_events >= self._target or self._wake_on_first:
+            self._wakeup.set()
+
+    async def _wait_for_batch(self, target: int, max_delay: float) -> None:
+        """Until ``target`` events wait, the stream ends, or the oldest waited ``max_delay`` s.
+
+        The clock of an event starts when it arrives or when this is called, whichever is
+        later: the consumer calls it once the previous batch was posted.
+        """
+        self._target = target
+        resumed = self._loop.time()
+        while self._pending_events < target and not self._finished:
+            self._wakeup.clear()
+            if not (max_delay and self._pending_events):
+                self._wake_on_first = bool(max_delay)
+                await self._wakeup.wait()
+                continue
+            self._wake_on_first = False
+            deadline = max(self._first_pending_at, resumed) + max_delay
+            if deadline <= self._loop.time():
+                return
+            timer = self._loop.call_at(deadline, self._wakeup.set)
+            try:
+                await self._wakeup.wait()
+            finally:
+                timer.cancel()
+
+    async def batches(self, policy: BatchPolicy) -> AsyncIterator[str]:
+        sizes = policy.sizes()
+        while True:
+            await self._wait_for_batch(sizes.current, policy.max_delay)
+            if self._pending:
+                text = "".join(self._pending)
+                self._pending.clear()
+                self._pending_events = 0
+                yield text
+                sizes.advance()
+            elif self._finished:
+                break
+        if self._error is not None:
+            raise self._error
+
+    async def aclose(self) -> None:
+        if not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+
+class Proxy:
+    """Forwards jobs to one local vLLM over one shared, pooled HTTP client."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        served_model: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        backend_failure: BackendFailureProbe | None = None,
+        adapters: AdapterErrors | None = None,
+        request_fields: RequestFields | None = None,
+    ) -> None:
+        if not _is_loopback(settings.base_url):
+            raise ConfigError(
+                f"VLLM_BASE_URL={settings.base_url!r} is not a loopback address; the worker "
+                "only talks to the vLLM it runs (e.g. http://127.0.0.1:8000)."
+            )
+        self._settings = settings
+        self._base_url = settings.base_url
+        self._served_model = served_model
+        self._model_lock: asyncio.Lock | None = None
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._backend_failure = backend_failure
+        self._adapters = adapters
+        self._dead_reason: str | None = None
+        self._job_defaults = JobDefaults(
+            BatchPolicy(
+                max_batch_size=settings.default_batch_size,
+                min_batch_size=settings.default_min_batch_size,
+                growth_factor=settings.default_batch_size_growth_factor,
+                max_delay=settings.default_max_batch_delay,
+            ),
+            max_tokens=settings.default_max_tokens,
+            request_fields=request_fields,
+        )
+        # What the log has heard of jobs' fields: each note once, not once per job.
+        self._noted: set[str] = set()
+        read_timeout = settings.request_timeout or None
+        self._timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
+
+    # -- the client ----------------------------------------------------------------------
+    def _get_client(self) -> httpx.AsyncClient:
+        # Created lazily: an aiohttp-backed client belongs to the loop that runs the jobs.
+        if self._client is None:
+            pool = self._settings.max_concurrency + 8
+            limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool,
+                                  keepalive_expiry=PROXY_IDLE_SECONDS)
+            transport = self._transport
+            if transport is None:
+                from httpx_aiohttp import AiohttpTransport
+
+                transport = AiohttpTransport(limits=limits, trust_env=False)
+            self._client = _LoopbackClient(
+                transport=transport,
+                limits=limits,
+                timeout=self._timeout,
+                trust_env=False,
+                follow_redirects=False,
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def mark_backend_dead(self, reason: str) -> None:
+        """From now on answer every job with backend_unavailable at once."""
+        self._dead_reason = reason
+
+    # -- the job -----------------------------------------------------------------------
+    async def handle(self, job: dict[str, Any]) -> AsyncIterator[Any]:
+        """Run one job; yield vLLM's answer, or ``{"error": ...}`` on any failure."""
+        failure: WorkerError | None = None
+        try:
+            if self._dead_reason is not None:
+                raise BackendUnavailable(self._dead_reason)
+            request = parse_job_input(job.get("input"), self._job_defaults)
+            for note in request.notes:
+                if note not in self._noted:
+                    self._noted.add(note)
+                    logger.warning("%s (logged once)", note)
+            request = await self._with_default_model(request)
+            async for item in self._forward(request):
+                yield item
+        except WorkerError as exc:
+            failure = exc
+        if failure is not None:
+            if failure.type != "invalid_request":
+                logger.warning("job %s failed: %s", job.get("id"), failure.message)
+            yield {"error": failure.to_json()}
+
+    async def _with_default_model(self, request: VllmRequest) -> VllmRequest:
+        body = request.body
+        if (
+            request.method != "POST"
+            or not isinstance(body, dict)
+            or "model" in body
+            or request.route.startswith(_NO_DEFAULT_MODEL)
+        ):
+            return request
+        model = await self.served_model()
+        if model is None:
+            return request
+        return dataclasses.replace(request, body={**body, "model": model})
+
+    async def served_model(self) -> str | None:
+        """The served model name: fixed by configuration, else vLLM's first, cached."""
+        if self._served_model is not None:
+            return self._served_model
+        if self._model_lock is None:
+            self._model_lock = asyncio.Lock()
+        async with self._model_lock:
+            if self._served_model is None:
+                models_url = httpx.URL(self._base_url + "/v1/models")
+                response = await self._send(self._get_client().build_request("GET", models_url))
+                try:
+                    await response.aread()
+                    if response.status_code >= 400:
+                        raise self._vllm_error(response)
+                    self._served_model = _first_model_id(response)
+                finally:
+                    await response.aclose()
+        return self._served_model
+
+    async def _forward(self, request: VllmRequest) -> AsyncIterator[Any]:
+        client = self._get_client()
+        outgoing = client.build_request(
+            request.method,
+            # An absolute URL: merging with a base_url re-parses both on every request.
+            httpx.URL(self._base_url + request.route),
+            **_body(request),
+        )
+        response = await self._send(outgoing)
+        try:
+            if response.status_code >= 400:
+                await self._read(response)
+                raise self._vllm_error(response)
+            content_type = response.headers.get("content-type", "")
+            if not (request.stream and content_type.startswith("text/event-stream")):
+                await self._read(response)
+                yield _decoded_body(response)
+                return
+            relay = _SseRelay(response)
+            # When the SDK stops a job it cancels the job's task, often while that task is
+            # POSTing a previous yield, not inside this generator, which is then left
+            # suspended until garbage collection. Tie the request to the task instead.
+            job_task = asyncio.current_task()
+            if job_task is not None:
+                job_task.add_done_callback(relay.abandon)
+            try:
+                async for text in relay.batches(request.batch):
+                    yield text
+            except httpx.HTTPError as exc:
+                raise await self._transport_error(exc) from None
+            finally:
+                if job_task is not None:
+                    job_task.remove_done_callback(relay.abandon)
+                await relay.aclose()
+        finally:
+            await response.aclose()
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """Send with the body streamed back lazily; sent again only when vLLM cannot have
+        read it: a connect that never landed, or a pooled connection vLLM closed unanswered."""
+        client = self._get_client()
+        try:
+            try:
+                return await client.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                if self._dead_reason is not None or not (
+                        _is_connect_failure(exc) or _is_closed_unanswered(exc)):
+                    raise
+            # vLLM may be restarting its listener: a few quick retries (built only now,
+            # as the retrier costs more than the request itself on the happy path). The
+            # first is at once, on another connection; only a failed connect is retried
+            # after it.
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(
+                    lambda exc: self._dead_reason is None and _is_connect_failure(exc)
+                ),
+                stop=stop_after_attempt(_CONNECT_ATTEMPTS - 1),
+                wait=wait_exponential(multiplier=0.1, max=1.0),
+                reraise=True,
+            ):
+                with attempt:
+                    return await client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise await self._transport_error(exc) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _read(self, response: httpx.Response) -> None:
+        try:
+            await response.aread()
+        except httpx.HTTPError as exc:
+            raise await self._transport_error(exc) from None
+
+    async def _transport_error(self, exc: httpx.HTTPError) -> WorkerError:
+        if _is_read_timeout(exc):
+            return RequestTimeout(
+                f"vLLM sent nothing for {self._settings.request_timeout:g} s "
+                "(REQUEST_TIMEOUT); the request was abandoned."
+            )
+        reason = self._dead_reason
+        if reason is None and self._backend_failure is not None:
+            reason = await self._backend_failure()
+        if reason is None:
+            reason = f"vLLM could not be reached at {self._base_url}: {exc or type(exc).__name__}"
+        return BackendUnavailable(reason)
+
+    def _vllm_error(self, response: httpx.Response) -> VllmError:
+        """vLLM's error answer as a job error: its status and error object, and its message,
+        or what happened to the adapter the job named (:meth:`AdapterErrors.explain`)."""
+        detail: Any = None
+        message = response.text.strip() or response.reason_phrase
+        with contextlib.suppress(ValueError):
+            payload = response.json()
+            detail = payload.get("error", payload) if isinstance(payload, dict) else payload
+            if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+                message = detail["message"]
+            elif isinstance(payload, dict) and isinstance(payload.get("message"), str):
+                message = payload["message"]
+            elif isinstance(payload, dict) and isinstance(payload.get("detail"), str):
+                message = payload["detail"]
+        if self._adapters is not None:
+            # The model the job sent, from the request itself (the default one filled in).
+            with contextlib.suppress(RuntimeError, httpx.RequestNotRead):
+                name = sent_model(response.request.content)
+                message = self._adapters.explain(response.status_code, detail, name) or message
+        return VllmError(message, code=response.status_code, vllm=detail)
+
+
+def _body(request: VllmRequest) -> dict[str, Any]:
+    """httpx's arguments for the request's body: a form, JSON, or nothing."""
+    if request.form is not None:
+        # Written by httpx's encoder, then sent as one body, like JSON: sent as httpx's stream
+        # instead, a cancelled job's closed connection did not abort vLLM's transcription
+        # (tests/test_e2e_speech.py::test_cancelling_a_streamed_transcription_aborts_it_in_vllm).
+        form = httpx.Request("POST", "http://vllm", **httpx_parts(request.form))
+        return {"content": form.read(),
+                "headers": {"content-type": form.headers["content-type"]}}
+    if request.body is not None:
+        return {"content": json.dumps(request.body).encode(),
+                "headers": {"content-type": "application/json"}}
+    return {}
+
+
+def _first_model_id(response: httpx.Response) -> str | None:
+    """The first id of a /v1/models answer; None (send no "model") if it has none."""
+    try:
+        first = response.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        return None
+    return first if isinstance(first, str) else None
+
+
+def _decoded_body(response: httpx.Response) -> Any:
+    if "json" in response.headers.get("content-type", ""):
+        with contextlib.suppress(ValueError):
+            return response.json()
+    return response.text
