@@ -3,10 +3,17 @@
 ``runpod.serverless.start`` owns its event loop and signal handlers, and only stops taking
 jobs after its long-poll returns (up to 90 s). The worker needs more: stop taking jobs at
 once on SIGTERM or when vLLM dies, drain in-flight jobs for a bounded time, then exit with
-a code of its choosing. So this module drives the SDK's :class:`JobScaler` coroutines
-(job-take, job-run, stop-signal polling) itself; taking, running, streaming, posting and
-cancelling jobs all stay the SDK's code; only its HTTP session is the worker's own
-(:mod:`worker.jobs.jobapi`: the SDK's, plus a bounded retry of connections that could not open).
+a code of its choosing. So this module drives the SDK's :class:`JobScaler` itself; running,
+streaming, posting and cancelling jobs stay the SDK's code (``JobScaler.handle_job``,
+``monitor_stop_signals``), and so does asking the job API for jobs (``JobScaler.jobs_fetcher``,
+over the worker's own session, :mod:`worker.jobs.jobapi`: the SDK's, plus a bounded retry of
+connections that could not open).
+
+Only the SDK's two loops around them are replaced, for their timing: its ``run_jobs`` looks at
+its queue of taken jobs only when a running job ends or every 0.1 s, and its ``get_jobs``
+sleeps a whole second whenever the worker is at its concurrency. Here a taken job's task is
+started the moment the job API hands the job out, and a job that ends wakes the take at once
+(:meth:`JobLoop._take_jobs`), so a job waits for nothing but a free slot.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class JobLoop:
     ) -> None:
         from runpod.serverless.modules import rp_scale
 
+        self._sdk_log = rp_scale.log  # the SDK's logger, for the lines the SDK's loop wrote
+        self._too_many_requests = rp_scale.TooManyRequests
         self._concurrency = concurrency
         self._stats = stats_options or stats.StatsOptions()
         self._scaler = rp_scale.JobScaler(
@@ -50,6 +59,9 @@ class JobLoop:
         )
         self._stop = asyncio.Event()
         self._drain_timeout = 0.0
+        #: Set when a job ends: a take that waits for a free slot goes on at once.
+        self._slot_freed = asyncio.Event()
+        self._running: set[asyncio.Task[None]] = set()
 
     def _concurrency_modifier(self, _current: int) -> int:
         return self._concurrency
@@ -79,8 +91,7 @@ class JobLoop:
         async with job_api_session() as session, stats.reporting(
             self._stats, lambda: self.jobs_in_flight
         ):
-            take = asyncio.create_task(scaler.get_jobs(session), name="runpod-job-take")
-            run = asyncio.create_task(scaler.run_jobs(session), name="runpod-job-run")
+            take = asyncio.create_task(self._take_jobs(session), name="runpod-job-take")
             stops = asyncio.create_task(
                 scaler.monitor_stop_signals(session), name="runpod-job-stop"
             )
@@ -88,23 +99,82 @@ class JobLoop:
 
             scaler.kill_worker()
             take.cancel()
-            drained = True
-            try:
-                await asyncio.wait_for(asyncio.shield(run), timeout=self._drain_timeout)
-            except TimeoutError:
-                drained = False
-                logger.warning(
-                    "%d job(s) still running after %.0f s: cancelling them",
-                    self.jobs_in_flight, self._drain_timeout,
-                )
-                for task in list(scaler.jobs_tasks.values()):
-                    task.cancel()
-                run.cancel()
-            for task in (take, run, stops):
+            drained = await self._drain()
+            for task in (take, stops):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         return drained
+
+    async def _take_jobs(self, session: Any) -> None:
+        """Ask the job API for as many jobs as there are free slots, start each job at once,
+        and when none is free wait for a job to end (the SDK's ``get_jobs`` and ``run_jobs``,
+        without their pauses; its error handling as it is)."""
+        scaler = self._scaler
+        await scaler.set_scale()  # the SDK's queue, sized to the concurrency
+        while scaler.is_alive():
+            self._slot_freed.clear()
+            needed = scaler.current_concurrency - scaler.current_occupancy()
+            if needed <= 0:
+                await self._slot_freed.wait()
+                continue
+            try:
+                jobs = await asyncio.wait_for(
+                    scaler.jobs_fetcher(session, needed), timeout=scaler.jobs_fetcher_timeout
+                )
+            except self._too_many_requests:
+                await asyncio.sleep(5)  # the SDK's debounce
+                continue
+            except TimeoutError:
+                continue  # the long-poll's bound: ask again
+            except TypeError as error:
+                self._sdk_log.debug(f"JobScaler.get_jobs | Unexpected error: {error}.")
+                continue
+            except Exception as error:
+                self._sdk_log.error(
+                    f"Failed to get job. | Error Type: {type(error).__name__} | "
+                    f"Error Message: {error}"
+                )
+                await asyncio.sleep(0)
+                continue
+            for job in jobs or ():
+                self._start(session, job)
+
+    def _start(self, session: Any, job: Job) -> None:
+        """Run ``job`` as the SDK's ``run_jobs`` does, now: its task, tracked by its id so that
+        the stop channel can cancel it. It passes through the SDK's queue of taken jobs, whose
+        count the SDK keeps (``handle_job`` marks it done)."""
+        scaler = self._scaler
+        scaler.jobs_queue.put_nowait(job)
+        scaler.job_progress.add(job)
+        scaler.jobs_queue.get_nowait()
+        task = asyncio.create_task(scaler.handle_job(session, job), name="runpod-job")
+        scaler.jobs_tasks[job["id"]] = task
+        self._running.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._slot_freed.set()
+        if not task.cancelled():
+            task.exception()  # handle_job logged it ("Error handling job")
+
+    async def _drain(self) -> bool:
+        """Give the jobs in flight the drain's time, then cancel the rest; whether all ended."""
+        running = set(self._running)
+        if not running:
+            return True
+        _, pending = await asyncio.wait(running, timeout=self._drain_timeout)
+        if not pending:
+            return True
+        logger.warning(
+            "%d job(s) still running after %.0f s: cancelling them",
+            len(pending), self._drain_timeout,
+        )
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return False
 
 
 def start_heartbeat() -> None:
