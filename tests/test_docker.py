@@ -353,20 +353,6 @@ def _dump_step(source: Path, out: Path, python: str, *, extra_path: Path | None 
                           timeout=300, check=False)
 
 
-@pytest.mark.vllm
-def test_the_catalog_step_writes_the_catalog_the_worker_ships(
-    vllm_python: str, build_context: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "vllm-flags.json"
-    done = _dump_step(build_context, out, vllm_python)
-    assert done.returncode == 0, done.stderr[-2000:]
-    dumped = FlagCatalog.load(out)
-    packaged = FlagCatalog.load(packaged_catalog_path())
-    assert dumped.version.split("+")[0] == PACKAGED_VERSION
-    assert dumped.flags == packaged.flags
-    assert dumped.request_fields == packaged.request_fields is not None
-
-
 # Makes the CPU build behave like the official CUDA image on a builder without a GPU: vLLM's
 # version does not say "cpu" and no CUDA device answers.
 _GPU_LESS_CUDA_IMAGE = """

@@ -54,7 +54,7 @@ from tests.test_docker import readme_docker_builds
 from tests.test_examples import curl_commands
 from tests.test_security import every_cmdline
 from tests.worker_process import ROOT
-from worker.config.flags import PACKAGED_VERSION
+from worker.config.flags import PACKAGED_VERSION, FlagCatalog, packaged_catalog_path
 
 # The first test of a machine also makes the builders and the base image (several minutes,
 # once per machine), counted in its time: the image tests' bound is above the suite's 300 s.
@@ -530,6 +530,14 @@ def test_debian_12s_buildah_builds_the_dockerfile_alike(
         [{k: configs[0].get(k) for k in CONFIG_KEYS}] * 2
     catalogs = [bed.file_of(b.tag, "/opt/worker/vllm-flags.json") for b in (option2, old2)]
     assert catalogs[0] == catalogs[1] and json.loads(catalogs[0])["flags"]
+    # The Dockerfile's catalog step, run by the image's vLLM, wrote the catalog the worker
+    # ships for that version (worker/config/catalogs/).
+    (build_dir / "shipped.json").write_text(catalogs[0])
+    shipped, packaged = (FlagCatalog.load(path) for path in (build_dir / "shipped.json",
+                                                             packaged_catalog_path()))
+    assert shipped.version.split("+")[0] == PACKAGED_VERSION
+    assert shipped.flags == packaged.flags
+    assert shipped.request_fields == packaged.request_fields is not None
     baked = json.loads(bed.file_of(old2.tag, "/local_model_args.json"))
     assert baked["MODEL_NAME"].endswith(f"/models--acme--tiny-gated/snapshots/{hub.commit}")
     assert BUILD_TOKEN not in json.dumps(bed.inspect(old2.tag)), "the secret is in the config"

@@ -11,15 +11,16 @@ vLLM, the second against the real CPU vLLM.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.conftest import load_script
 from tests.soak import SoakRun, figures, run_fake_soak, run_real_soak
 from tests.soak_checks import API_REFUSED, FAILURE_MARKERS, POST_FAILED
-from tests.worker_process import ROOT, base_env
+from tests.worker_process import ROOT
 
 # A shortened soak runs for minutes by design: its own bound, above the suite's 300 s.
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
@@ -58,9 +59,19 @@ def assert_nothing_leaked_nor_drifted(run: SoakRun) -> None:
     # check: both are times, which a machine that stands still for seconds moves.
 
 
-def test_soak_against_the_stand_in_vllm(tmp_path: Path) -> None:
-    run = run_fake_soak(tmp_path, jobs=1200, warmup=120, vllm_restarts_per_tenth=1,
-                        refusal_weight=0.5)
+#: The stand-in soak's jobs and warm-up (the script's --jobs and --warmup).
+JOBS, WARMUP = 1200, 120
+
+
+@pytest.fixture(scope="module")
+def stand_in_run(tmp_path_factory: pytest.TempPathFactory) -> SoakRun:
+    """One soak against the stand-in vLLM, for its checks and for the script's figures."""
+    return run_fake_soak(tmp_path_factory.mktemp("stand-in-soak"), jobs=JOBS, warmup=WARMUP,
+                         vllm_restarts_per_tenth=1, refusal_weight=0.5)
+
+
+def test_soak_against_the_stand_in_vllm(stand_in_run: SoakRun) -> None:
+    run = stand_in_run
     assert_nothing_leaked_nor_drifted(run)
     tally = run.tally
     missing = [fault for fault in FAULTS if not tally.faults.get(fault)]
@@ -71,7 +82,7 @@ def test_soak_against_the_stand_in_vllm(tmp_path: Path) -> None:
     # (The checks hold each job to it too: a job whose logged failures they cannot account
     # for is a problem.)
     assert run.log_counts[POST_FAILED] == tally.send_failures_explained()
-    # The job API refused connections, and the worker's reconnect (worker/jobs/jobapi.py) lost
+    # The job API refused connections, and the worker's reconnect (worker/jobapi.py) lost
     # nothing to it (the SDK alone loses the POST: tests/test_jobapi.py).
     assert run.log_counts["job API connect failed"] > 0
     assert tally.send_errors["refused"] == 0
@@ -86,14 +97,30 @@ def test_soak_against_the_real_vllm(tmp_path: Path, tiny_env: dict[str, str]) ->
     assert run.tally.outcomes["result"] > 200
 
 
-def test_the_soak_script_prints_and_writes_the_figures(tmp_path: Path) -> None:
+def test_the_soak_script_prints_and_writes_the_figures(
+    stand_in_run: SoakRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """scripts/soak.py --part fake: its arguments reach the soak (tests/soak.py's
+    run_fake_soak, which the test above runs), and it prints the run's figures, writes them as
+    JSON and exits 0. The soak it would run is the stand-in run above, handed back to it."""
+    script = load_script(ROOT / "scripts" / "soak.py")
+    asked: list[dict[str, Any]] = []
+
+    def soak(tmp: Path, **settings: Any) -> SoakRun:
+        asked.append(settings)
+        return stand_in_run
+
+    monkeypatch.setattr(script, "run_fake_soak", soak)
     out = tmp_path / "figures.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--part", "fake", "--jobs", "20",
-         "--warmup", "10", "--json", str(out)],
-        env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== soak against the fake vLLM: 30 jobs (10 warm-up)" in done.stdout
+    monkeypatch.setattr(sys, "argv", ["soak.py", "--part", "fake", "--jobs", str(JOBS),
+                                      "--warmup", str(WARMUP), "--json", str(out)])
+    assert script.main() == 0
+    [settings] = asked
+    assert (settings["jobs"], settings["warmup"], settings["concurrency"]) == (JOBS, WARMUP, 30)
+    printed = capsys.readouterr().out
+    assert printed.strip() == figures(stand_in_run).strip()
     [figures_of_run] = json.loads(out.read_text())
-    assert figures_of_run["jobs"] == 30 and figures_of_run["problems"] == []
+    assert figures_of_run["jobs"] == JOBS + WARMUP and figures_of_run["problems"] == []
+    assert figures_of_run["faults"] == dict(stand_in_run.tally.faults)
     assert len(figures_of_run["points"]) == 12  # idle, ten tenths, idle
