@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -145,9 +147,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
-    """A 2-layer Llama with seeded random weights, cast to bfloat16."""
-    config = LlamaConfig(
+def llama_config(tokenizer: PreTrainedTokenizerFast, **more: Any) -> LlamaConfig:
+    """The tiny Llama's configuration (also the language model of make_tiny_vlm.py's)."""
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -161,10 +163,15 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="bfloat16",
+        **more,
     )
+
+
+def random_model(model_class: Any, config: Any, tokenizer: Any, seed: int) -> Any:
+    """``model_class(config)`` with weights from ``torch.manual_seed(seed)``, cast to bfloat16,
+    whose generation config holds only the tokenizer's ids (vLLM takes no sampling defaults)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.bfloat16()  # casts in place
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -174,10 +181,16 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
     return model
 
 
-def make_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Write the model folder into out_dir (created if missing) and return it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    """A 2-layer Llama with seeded random weights, cast to bfloat16."""
+    model: LlamaForCausalLM = random_model(LlamaForCausalLM, llama_config(
+        tokenizer, dtype="bfloat16"), tokenizer, seed)
+    return model
+
+
+def save_tokenizer(tokenizer: Any, out_dir: Path) -> None:
+    """Save ``tokenizer`` (or a processor holding it) with CHAT_TEMPLATE, readable by
+    transformers 4 and 5."""
     tokenizer.save_pretrained(out_dir)
     # Also keep the template inside tokenizer_config.json, for readers that look only there.
     config_path = out_dir / "tokenizer_config.json"
@@ -190,9 +203,19 @@ def make_tiny_model(out_dir: Path, seed: int = 0) -> Path:
         json.dumps(tokenizer_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
         encoding="utf-8",
     )
-    model = build_model(tokenizer, seed)
+
+
+def save_model(model: Any, out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "model.safetensors").chmod(0o644)  # written 0600; make it like the other files
+
+
+def make_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Write the model folder into out_dir (created if missing) and return it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    save_tokenizer(tokenizer, out_dir)
+    save_model(build_model(tokenizer, seed), out_dir)
     return out_dir
 
 
@@ -227,6 +250,17 @@ def make_tiny_lora(out_dir: Path, base_model: Path, seed: int = 0) -> Path:
     (out_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=2) + "\n",
                                                  encoding="utf-8")
     return out_dir
+
+
+def builder_cli(doc: str, make: Callable[[Path, int], Path],
+                argv: list[str] | None = None) -> None:
+    """The command line of a builder beside this one: ``OUT_DIR [--seed N]``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    print(make(args.out_dir, args.seed).resolve())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,26 +39,24 @@ What it writes (the layout of a Hugging Face SmolVLM checkpoint):
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-import torch
 from make_tiny_model import (  # beside this script: the tiny Llama, whose language model this is
     CHAT_TEMPLATE,
-    MAX_POSITIONS,
     build_tokenizer,
+    builder_cli,
+    llama_config,
+    random_model,
+    save_model,
+    save_tokenizer,
 )
 from transformers import (
-    GenerationConfig,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessor,
     Idefics3Processor,
     Idefics3VisionConfig,
-    LlamaConfig,
 )
-from transformers.utils import logging as hf_logging
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -81,21 +79,7 @@ def build_processor() -> Idefics3Processor:
 def build_model(processor: Idefics3Processor, seed: int) -> Idefics3ForConditionalGeneration:
     """The tiny Idefics3 with seeded random weights, cast to bfloat16."""
     tokenizer = processor.tokenizer
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    text = llama_config(tokenizer)
     vision = Idefics3VisionConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -113,14 +97,8 @@ def build_model(processor: Idefics3Processor, seed: int) -> Idefics3ForCondition
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    model.bfloat16()  # casts in place
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    model: Idefics3ForConditionalGeneration = random_model(
+        Idefics3ForConditionalGeneration, config, tokenizer, seed)
     return model
 
 
@@ -128,28 +106,13 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     """Write the model folder into out_dir (created if missing) and return it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     processor = build_processor()
-    processor.save_pretrained(out_dir)
-    config_path = out_dir / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as make_tiny_model.py
-    config_path.write_text(
-        json.dumps(tokenizer_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-        encoding="utf-8",
-    )
-    model = build_model(processor, seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "model.safetensors").chmod(0o644)  # written 0600; make it like the other files
+    save_tokenizer(processor, out_dir)
+    save_model(build_model(processor, seed), out_dir)
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    args = parser.parse_args(argv)
-    hf_logging.disable_progress_bar()
-    print(make_tiny_vlm(args.out_dir, args.seed).resolve())
+    builder_cli(__doc__, make_tiny_vlm, argv)
 
 
 if __name__ == "__main__":

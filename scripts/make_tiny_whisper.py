@@ -33,12 +33,14 @@ What it writes (the layout of a Hugging Face Whisper checkpoint):
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
-from make_tiny_model import CORPUS  # beside this script: the tiny Llama's corpus, one for both
+from make_tiny_model import (  # beside this script: the tiny Llama's corpus, one for both
+    CORPUS,
+    builder_cli,
+)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
@@ -49,7 +51,6 @@ from transformers import (
     WhisperTokenizer,
 )
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
-from transformers.utils import logging as hf_logging
 
 EOT = "<|endoftext|>"
 SOT = "<|startoftranscript|>"
@@ -137,12 +138,7 @@ def make_tiny_whisper(out_dir: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    args = parser.parse_args(argv)
-    hf_logging.disable_progress_bar()
-    print(make_tiny_whisper(args.out_dir, args.seed).resolve())
+    builder_cli(__doc__, make_tiny_whisper, argv)
 
 
 if __name__ == "__main__":

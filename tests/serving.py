@@ -37,6 +37,14 @@ class Serving:
     def run(self, job_input: Any, timeout: float = 120) -> JobRecord:
         return self.api.wait_done(self.api.submit(job_input), timeout=timeout)
 
+    def answer(self, job_input: Any) -> dict[str, Any]:
+        """The one JSON output of a job that must complete (a non-streamed answer of vLLM)."""
+        record = self.run(job_input)
+        assert record.error is None, (job_input, record.done)
+        [answer] = record.done["output"]
+        assert isinstance(answer, dict), answer
+        return answer
+
     def alive(self) -> bool:
         if self.worker.proc.poll() is not None:
             return False

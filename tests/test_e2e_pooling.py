@@ -14,7 +14,6 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -45,16 +44,8 @@ def pooling(tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
         {**tiny_env, **POOLING}, tmp_path_factory.mktemp("pooling") / "worker.log"))
 
 
-def answer_of(serving: Serving, job_input: dict[str, Any]) -> dict[str, Any]:
-    record = serving.run(job_input)
-    assert record.error is None, (job_input, record.done)
-    [answer] = record.done["output"]
-    assert isinstance(answer, dict), answer
-    return answer
-
-
 def embeddings(serving: Serving, texts: list[str]) -> list[list[float]]:
-    answer = answer_of(serving, {"openai_route": "/v1/embeddings",
+    answer = serving.answer({"openai_route": "/v1/embeddings",
                                  "openai_input": {"input": texts}})
     assert [item["index"] for item in answer["data"]] == list(range(len(texts)))
     return [item["embedding"] for item in answer["data"]]
@@ -79,12 +70,12 @@ def test_an_embeddings_job_is_vllms_embedding_of_each_input(pooling: Serving) ->
 def test_score_is_the_cosine_and_rerank_its_order(pooling: Serving) -> None:
     vectors = embeddings(pooling, [QUERY, *DOCUMENTS])
     expected = [cosine(vectors[0], doc) for doc in vectors[1:]]
-    scores = answer_of(pooling, {"route": "/score", "body": {
+    scores = pooling.answer({"route": "/score", "body": {
         "queries": QUERY, "documents": DOCUMENTS}})
     assert [item["index"] for item in scores["data"]] == [0, 1, 2]
     assert [item["score"] for item in scores["data"]] == pytest.approx(expected, abs=1e-3)
 
-    ranked = answer_of(pooling, {"route": "/rerank", "body": {
+    ranked = pooling.answer({"route": "/rerank", "body": {
         "query": QUERY, "documents": DOCUMENTS, "top_n": 2}})
     order = sorted(range(3), key=lambda i: expected[i], reverse=True)[:2]
     assert [result["index"] for result in ranked["results"]] == order
@@ -105,7 +96,7 @@ def test_the_docs_jobs_complete(pooling: Serving) -> None:
     assert [set(job) for job in jobs] == [{"input"}] * 3
     routes = []
     for job in jobs:
-        answer = answer_of(pooling, job["input"])
+        answer = pooling.answer(job["input"])
         routes.append(job["input"].get("openai_route") or job["input"]["route"])
         assert answer.get("data") or answer.get("results"), answer
     assert routes == ["/v1/embeddings", "/score", "/rerank"]

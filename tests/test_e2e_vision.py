@@ -105,14 +105,6 @@ def message(*urls: str, text: str = QUESTION) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
-def completed(serving: Serving, job_input: dict[str, Any]) -> dict[str, Any]:
-    record = serving.run(job_input)
-    assert record.error is None, (job_input, record.done)
-    [answer] = record.done["output"]
-    assert isinstance(answer, dict), answer
-    return answer
-
-
 def failed(serving: Serving, job_input: dict[str, Any]) -> dict[str, Any]:
     record = serving.run(job_input)
     assert record.error is not None, f"the job did not fail: {record.done}"
@@ -128,10 +120,10 @@ def test_an_image_reaches_the_model_in_each_shape(vision: Serving, images: Image
     """The same image as a data: URL in a messages job, as a URL that vLLM fetches through an
     openai_route job, and straight to vLLM: the same prompt, one image's tokens more than the
     text alone, and the same greedy answer."""
-    text_only = completed(vision, messages_job())["usage"]["prompt_tokens"]
-    inline = completed(vision, messages_job(data_url(RED)))
+    text_only = vision.answer(messages_job())["usage"]["prompt_tokens"]
+    inline = vision.answer(messages_job(data_url(RED)))
     before = len(images.asked)
-    fetched = completed(vision, {"openai_route": "/v1/chat/completions", "openai_input": {
+    fetched = vision.answer({"openai_route": "/v1/chat/completions", "openai_input": {
         "messages": message(f"{images.url}/red.png"), "max_tokens": 8, "temperature": 0}})
     assert images.asked[before:].count("/red.png") >= 1, "vLLM never fetched the image URL"
     direct = httpx.post(vision.vllm_url + "/v1/chat/completions", timeout=120, json={
@@ -151,7 +143,7 @@ def test_each_image_costs_its_tokens_and_another_image_gets_another_answer(
     red one, a second image as many again, and the greedy answer to the same question about
     the blue one is not the red one's."""
     blue = data_url(png(64, 48, (0, 0, 255)))
-    none, red, other, two = (completed(vision, messages_job(*urls)) for urls in (
+    none, red, other, two = (vision.answer(messages_job(*urls)) for urls in (
         (), (data_url(RED),), (blue,), (data_url(RED), blue)))
     tokens = [answer["usage"]["prompt_tokens"] for answer in (none, red, other, two)]
     per_image = tokens[1] - tokens[0]
@@ -181,7 +173,7 @@ def test_an_image_vllm_cannot_read_fails_the_job_and_the_worker_goes_on(
         b"this is not an image").decode()))
     assert (garbage["type"], garbage["code"]) == ("vllm_error", 400), garbage
     assert garbage["message"].startswith("Failed to load image:"), garbage
-    after = completed(vision, messages_job(data_url(RED)))
+    after = vision.answer(messages_job(data_url(RED)))
     assert after["usage"]["completion_tokens"] >= 1
 
 
@@ -202,7 +194,7 @@ def test_the_docs_jobs_complete_with_their_images(vision: Serving, images: Image
         for url in urls:
             if url.startswith("https://"):
                 text = text.replace(url, f"{images.url}/red.png")
-        answer = completed(vision, json.loads(text))
+        answer = vision.answer(json.loads(text))
         assert answer["usage"]["completion_tokens"] >= 1, answer
 
 
@@ -227,6 +219,6 @@ def test_the_vision_example_sends_a_file_and_a_url(
                               timeout=120, check=False)
         stdout = _completed(done)
         counts.append(int(stdout.rsplit("prompt_tokens=", 1)[1].split(",")[0]))
-    text_only = completed(vision, {"messages": message(), "sampling_params": {
+    text_only = vision.answer({"messages": message(), "sampling_params": {
         "max_tokens": 1}})["usage"]["prompt_tokens"]
     assert counts[0] == counts[1] >= text_only + IMAGE_TOKENS, counts
