@@ -53,6 +53,13 @@ def texts(answer: dict[str, Any]) -> list[str]:
 
 def test_every_documented_parameter_is_honoured_in_both_shapes(queue_worker: Serving) -> None:
     api = queue_worker.api
+    # The first beam search in a vLLM process does seconds of one-time work (about 15 s
+    # here), during which vLLM answers nothing, so a job beside it can reach the worker's
+    # REQUEST_TIMEOUT on a stalled machine (a clean-clone run here: the sampling job, 504).
+    # That first one goes straight to vLLM, where only this wait's generous bound applies.
+    warm = httpx.post(queue_worker.vllm_url + "/v1/completions", timeout=300,
+                      json={"prompt": SHAPES["prompt"], **BEAM})
+    assert warm.status_code == 200, warm.text
     jobs = {(shape, name): api.submit({shape: llm_input, "sampling_params": params})
             for shape, llm_input in SHAPES.items()
             for name, params in (("sampling", SAMPLING), ("beam", BEAM))}
