@@ -1,0 +1,130 @@
+"""The relay of one streamed answer: vLLM's SSE body read in the background, handed out as
+batches of whole events.
+
+Why a reader task: the runpod SDK POSTs each batch before it asks for the next, so a consumer
+that read vLLM's body itself would hold vLLM back for the length of every POST. The task
+reads as fast as vLLM writes into a buffer; each batch takes everything buffered. The bytes
+are cut only after an event's blank line, so no event and no UTF-8 character is ever split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator
+
+import httpx
+
+from worker.jobs.routing import BatchPolicy
+
+logger = logging.getLogger("worker.handler")
+
+# An SSE event ends with a blank line; the spec allows three line-ending styles.
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+class SseRelay:
+    """Reads an SSE body in the background and hands out batches of whole events.
+
+    The reader task owns the response: cancelling it closes the connection, which is how
+    vLLM learns to abort the generation.
+    """
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._pending: list[str] = []
+        self._pending_events = 0
+        self._first_pending_at = 0.0  # when the oldest event still waiting arrived
+        self._finished = False
+        self._error: BaseException | None = None
+        self._wakeup = asyncio.Event()
+        self._target = 1  # events the consumer waits for; wake it only then
+        self._wake_on_first = False  # ... or at the first one, to start its clock
+        self._loop = asyncio.get_running_loop()
+        self._response = response
+        self._reader = asyncio.create_task(self._read(response.aiter_bytes()))
+
+    def abandon(self, _owner: object = None) -> None:
+        """Stop reading and close the response now (callable from a done-callback)."""
+        if not self._reader.done():
+            logger.debug("the job's task ended: cutting vLLM's stream")
+        self._reader.cancel()
+
+    async def _read(self, chunks: AsyncIterator[bytes]) -> None:
+        buffer = bytearray()
+        try:
+            async for chunk in chunks:
+                # A terminator is at most 4 bytes: rescan only the seam with the new chunk.
+                scan_from = max(0, len(buffer) - 3)
+                buffer += chunk
+                cut, count = 0, 0
+                for match in _EVENT_END.finditer(buffer, scan_from):
+                    cut, count = match.end(), count + 1
+                if count:
+                    self._add(buffer[:cut].decode("utf-8", errors="replace"), count)
+                    del buffer[:cut]
+            if buffer:  # an unterminated last event: relay it as it is
+                self._add(buffer.decode("utf-8", errors="replace"), 1)
+        except Exception as exc:  # handed to the consumer, which maps it
+            self._error = exc
+        except asyncio.CancelledError:
+            logger.debug("vLLM's stream cut: closing its connection")
+            raise
+        finally:
+            self._finished = True
+            self._wakeup.set()
+            await self._response.aclose()
+
+    def _add(self, text: str, events: int) -> None:
+        if not self._pending_events:
+            self._first_pending_at = self._loop.time()
+        self._pending.append(text)
+        self._pending_events += events
+        if self._pending_events >= self._target or self._wake_on_first:
+            self._wakeup.set()
+
+    async def _wait_for_batch(self, target: int, max_delay: float) -> None:
+        """Until ``target`` events wait, the stream ends, or the oldest waited ``max_delay`` s.
+
+        The clock of an event starts when it arrives or when this is called, whichever is
+        later: the consumer calls it once the previous batch was posted.
+        """
+        self._target = target
+        resumed = self._loop.time()
+        while self._pending_events < target and not self._finished:
+            self._wakeup.clear()
+            if not (max_delay and self._pending_events):
+                self._wake_on_first = bool(max_delay)
+                await self._wakeup.wait()
+                continue
+            self._wake_on_first = False
+            deadline = max(self._first_pending_at, resumed) + max_delay
+            if deadline <= self._loop.time():
+                return
+            timer = self._loop.call_at(deadline, self._wakeup.set)
+            try:
+                await self._wakeup.wait()
+            finally:
+                timer.cancel()
+
+    async def batches(self, policy: BatchPolicy) -> AsyncIterator[str]:
+        sizes = policy.sizes()
+        while True:
+            await self._wait_for_batch(sizes.current, policy.max_delay)
+            if self._pending:
+                text = "".join(self._pending)
+                self._pending.clear()
+                self._pending_events = 0
+                yield text
+                sizes.advance()
+            elif self._finished:
+                break
+        if self._error is not None:
+            raise self._error
+
+    async def aclose(self) -> None:
+        if not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
