@@ -184,6 +184,47 @@ async def test_a_connection_vllm_closes_after_a_500_costs_the_next_job_nothing(
     assert second[0]["echo"]["prompt"] == "Hi"
 
 
+def closing_connection_failure(request: httpx.Request) -> httpx.HTTPError:
+    """What the proxy's transport raises when the pooled connection a request was to be
+    written on was already closing: aiohttp's "Can not write request body" (a ClientOSError
+    from its ClientConnectionResetError), mapped by httpx-aiohttp to httpx.ConnectTimeout."""
+    import aiohttp
+
+    try:
+        try:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        except OSError as underlying:
+            raise aiohttp.ClientOSError(None, f"Can not write request body for {request.url}"
+                                        ) from underlying
+    except aiohttp.ClientOSError as exc:
+        mapped = httpx.ConnectTimeout(str(exc), request=request)
+        mapped.__cause__ = exc
+        return mapped
+
+
+async def test_a_request_never_written_is_sent_again_past_several_closed_connections() -> None:
+    """vLLM may close several idle pooled connections at once (a clean-clone soak met two in
+    a row): a request that could not even be written was never read, so it is sent again
+    within the connect retries' bound, not failed after one resend."""
+    sends: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sends.append(request.url.path)
+        if len(sends) <= 2:
+            raise closing_connection_failure(request)
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    # A plain MockTransport: respx would put its own error under the one raised here.
+    p = Proxy(Settings(vllm_port=8000), served_model="m",
+              transport=httpx.MockTransport(answer))
+    try:
+        items = await run(p, {"prompt": "x"})
+    finally:
+        await p.aclose()
+    assert items == [{"choices": [{"text": "ok"}]}]
+    assert sends == ["/v1/completions"] * 3
+
+
 async def test_a_request_vllm_resets_unanswered_twice_is_backend_unavailable(
     proxy: Proxy, backend: FakeOpenAI
 ) -> None:

@@ -72,9 +72,15 @@ def _aiohttp_cause(exc: BaseException) -> BaseException | None:
 
 
 def _is_connect_failure(exc: BaseException) -> bool:
-    """True when the request never reached vLLM, so sending it again is safe."""
+    """True when the request never reached vLLM, so sending it again is safe: no connection
+    was made, or the one taken from the pool was already closing when the request was to be
+    written on it (vLLM had closed it while it sat idle; aiohttp raises "Can not write
+    request body" from its own "Cannot write to closing transport"). Several pooled
+    connections may be closed at once, so the latter is retried like a refused connect."""
     if (cause := _aiohttp_cause(exc)) is not None:
-        return isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+        return isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError) or (
+            isinstance(cause, aiohttp.ClientOSError)
+            and isinstance(cause.__cause__, aiohttp.ClientConnectionResetError))
     return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
 
 
