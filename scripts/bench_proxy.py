@@ -22,6 +22,8 @@ What it measures:
    aiohttp read of the same stream, each checked byte for byte against ``expected_stream``;
    then the same with ``"split": true`` (every event written in two pieces cut inside a
    3-byte character).
+   3b. The same at concurrency 32, 256 events a job (the load a busy worker relays): events/s
+   of the Proxy's relay against a bare aiohttp read of the same streams, interleaved rounds.
 4. A slow consumer (sleeps 5 ms after each yield, like the SDK's POST of each yield) on a
    256-event stream paced at 2 ms/event: total time vs the backend's own pace, and the number
    of yields; for contrast, a relay yielding each event on its own under the same consumer.
@@ -72,6 +74,7 @@ from worker.jobs.handler import Proxy  # noqa: E402
 
 MODEL = "fake-model"
 CONCURRENCY = 32
+STREAM_EVENTS = 256  # a job's events in the concurrent stream workload (3b)
 JSON_HEADERS = {"content-type": "application/json"}
 # The fake backend in its own process: it prints its port, then serves until stdin closes.
 BACKEND_CODE = (
@@ -100,10 +103,11 @@ class Sizes:
     split_events: int
     split_reps: int
     slow_reps: int
+    concurrent_streams: int  # per variant, split over ``rounds``
 
 
-DEFAULT = Sizes(3000, 3, 500, 5000, 7, 400, 4, 3)
-QUICK = Sizes(600, 2, 150, 1500, 3, 150, 2, 1)
+DEFAULT = Sizes(3000, 3, 500, 5000, 7, 400, 4, 3, 384)
+QUICK = Sizes(600, 2, 150, 1500, 3, 150, 2, 1, 128)
 
 
 @dataclass
@@ -421,6 +425,49 @@ async def bench_stream_rate(proxy: Proxy, session: aiohttp.ClientSession, url: s
                     exact_relayed))
 
 
+async def bench_stream_concurrent(proxy: Proxy, session: aiohttp.ClientSession, url: str,
+                                  jobs: int, rounds: int) -> None:
+    """Streams of STREAM_EVENTS events on CONCURRENCY lanes: the Proxy's relay against a bare
+    aiohttp read of the same streams, in interleaved rounds (the load of the machine hits
+    both alike); every stream checked byte for byte."""
+    fake = {"events": STREAM_EVENTS}
+    expected = expected_stream(STREAM_EVENTS)
+
+    async def relayed(index: int) -> None:
+        items = [item async for item in proxy.handle({"id": f"s{index}",
+                                                      "input": stream_input(fake)})]
+        CHECKS.expect(isinstance(items[-1], str) and "".join(items).encode() == expected,
+                      f"concurrent Proxy stream {index}: bytes differ")
+
+    async def direct(index: int) -> None:
+        chunks = [chunk async for chunk in direct_chunks(session, url, fake)]
+        CHECKS.expect(b"".join(chunks) == expected, f"concurrent direct stream {index}: "
+                      "bytes differ")
+
+    print(f"\n3b. Streams at concurrency {CONCURRENCY}: {STREAM_EVENTS} events a job, "
+          f"{jobs} jobs per variant in {rounds} interleaved rounds")
+    calls = {"Proxy relay": relayed, "direct aiohttp read": direct}
+    for call in calls.values():  # warm up: connections and code paths
+        await run_concurrent(call, CONCURRENCY, CONCURRENCY)
+    walls: dict[str, list[float]] = {name: [] for name in calls}
+    cpus = dict.fromkeys(calls, 0.0)
+    for _ in range(rounds):
+        for name, call in calls.items():
+            used, took = await run_concurrent(call, jobs // rounds, CONCURRENCY)
+            walls[name].append(took)
+            cpus[name] += used
+    events = (jobs // rounds) * rounds * (STREAM_EVENTS + 1)
+    for name in calls:
+        rate = events / sum(walls[name])
+        print(f"   {name:<20}: {rate:>8.0f} events/s, {cpus[name] / events * 1e6:6.1f} us "
+              "CPU/event")
+    ratio = statistics.median(d / r for r, d in zip(walls["Proxy relay"],
+                                                    walls["direct aiohttp read"], strict=True))
+    print(f"   relayed/direct events/s (median of the rounds' ratios): {ratio:.3f}")
+    ROWS.append(Row(f"streams at conc. {CONCURRENCY}: relayed/direct events/s",
+                    f"{ratio:.3f}x", f">= {GOAL_STREAM_RATIO}x", ratio >= GOAL_STREAM_RATIO))
+
+
 async def bench_slow_consumer(proxy: Proxy, session: aiohttp.ClientSession, url: str,
                               reps: int) -> None:
     events, delay, sleep = 256, 0.002, 0.005
@@ -534,6 +581,8 @@ async def main_async(url: str, sizes: Sizes, profile: bool) -> None:
                                     sizes.stream_reps, split=False)
             await bench_stream_rate(proxy, session, url, sizes.split_events,
                                     sizes.split_reps, split=True)
+            await bench_stream_concurrent(proxy, session, url, sizes.concurrent_streams,
+                                          sizes.rounds)
             await bench_slow_consumer(proxy, session, url, sizes.slow_reps)
             await bench_reference_decode(proxy, session, url, sizes.split_events)
             await bench_batch_delay(proxy, 75 if sizes is QUICK else 200)

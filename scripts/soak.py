@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -40,8 +39,7 @@ if str(ROOT) not in sys.path:
 
 from tests.soak import SoakRun, figures, latency, run_fake_soak, run_real_soak  # noqa: E402
 from tests.soak_checks import FAILURE_MARKERS  # noqa: E402
-from tests.tiny_model import build_tiny_model, scratch_dirs, tiny_env  # noqa: E402
-from worker.start.build import vllm_python  # noqa: E402
+from tests.tiny_model import script_env  # noqa: E402
 
 
 def summary(run: SoakRun) -> dict[str, Any]:
@@ -71,19 +69,6 @@ def summary(run: SoakRun) -> dict[str, Any]:
     }
 
 
-def real_env(scratch: Path) -> dict[str, str]:
-    """The tiny model's worker environment, as the tests give it."""
-    executable = os.environ.get("VLLM_EXECUTABLE") or str(ROOT / ".venv-vllm" / "bin" / "vllm")
-    found = shutil.which(executable)
-    python = vllm_python(found) if found else None
-    if found is None or python is None:
-        raise SystemExit(f"no CPU vLLM at {executable}: run scripts/setup.sh "
-                         "(or --part fake)")
-    env = tiny_env(found, build_tiny_model(python), scratch_dirs(scratch / "vllm"))
-    return {**env, "HF_HOME": str(scratch / "hf-home"),
-            "XDG_CACHE_HOME": str(scratch / "xdg")}
-
-
 def echo(line: str) -> None:
     print(line, flush=True)
 
@@ -109,7 +94,8 @@ def main() -> int:
         echo(figures(runs[-1]))
     if args.part in ("real", "both"):
         (tmp / "real").mkdir()
-        runs.append(run_real_soak(tmp / "real", real_env(tmp), jobs=args.real_jobs,
+        env = script_env(tmp, or_else="(or --part fake)")
+        runs.append(run_real_soak(tmp / "real", env, jobs=args.real_jobs,
                                   warmup=args.real_warmup, concurrency=args.concurrency,
                                   seed=args.seed, echo=echo))
         echo(figures(runs[-1]))

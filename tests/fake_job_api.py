@@ -44,6 +44,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -136,6 +137,10 @@ class FakeJobApi:
         self.refuse_posts = 0  # the next N POSTs answer 503 (the SDK retries)
         self.faults: dict[str, JobFaults] = {}
         self.refusals: list[tuple[float, float]] = []  # (start, end) of each listener outage
+        # Called with (kind, job id, parsed body) for each recorded job-stream and job-done
+        # POST, in the server's thread, after the record is updated (scripts/bench_queue.py's
+        # stand-in of the platform's client routes relays them from there).
+        self.on_post: Callable[[str, str, Any], None] | None = None
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._handler = self._make_handler()
@@ -361,6 +366,8 @@ class FakeJobApi:
             else:
                 job.done, job.done_at, job.done_query = body, time.monotonic(), query
             self._cond.notify_all()
+        if self.on_post is not None:
+            self.on_post(kind, job_id, body)
 
     def _set_busy(self, conn: socket.socket, busy: bool | None) -> None:
         """Track open connections (None: closed) so that a restart can close the idle ones."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -19,6 +20,8 @@ import wave
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+
+from worker.start import build
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
@@ -89,6 +92,19 @@ def tiny_env(vllm_executable: str, model: Path, scratch: dict[str, str]) -> dict
         # core running the model), so the tests also start vLLM as the endpoints run it.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+
+
+def script_env(scratch: Path, or_else: str = "") -> dict[str, str]:
+    """The tiny model's worker environment for a script (scripts/soak.py, bench_queue.py), as
+    the tests give it, with its caches under ``scratch``; the CPU vLLM from VLLM_EXECUTABLE
+    or .venv-vllm."""
+    executable = os.environ.get("VLLM_EXECUTABLE") or str(ROOT / ".venv-vllm" / "bin" / "vllm")
+    found = shutil.which(executable)
+    python = build.vllm_python(found) if found else None
+    if found is None or python is None:
+        raise SystemExit(f"no CPU vLLM at {executable}: run scripts/setup.sh {or_else}".strip())
+    env = tiny_env(found, build_tiny_model(python), scratch_dirs(scratch / "vllm"))
+    return {**env, "HF_HOME": str(scratch / "hf-home"), "XDG_CACHE_HOME": str(scratch / "xdg")}
 
 
 def whisper_env(vllm_executable: str, model: Path, scratch: dict[str, str]) -> dict[str, str]:
