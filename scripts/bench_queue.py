@@ -60,6 +60,7 @@ from tests.fake_platform import FakePlatform  # noqa: E402
 from tests.fake_vllm import free_port  # noqa: E402
 from tests.lb_worker import start_lb_worker  # noqa: E402
 from tests.proc_stats import cpu_seconds  # noqa: E402
+from tests.soak import percentile  # noqa: E402
 from tests.tiny_model import script_env  # noqa: E402
 from tests.worker_process import WorkerProcess, base_env  # noqa: E402
 
@@ -89,11 +90,6 @@ class Pair:
     concurrency: int
     direct: Run
     relayed: Run  # through the worker
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def bench_serve(vllm: str, env: dict[str, str], args: argparse.Namespace, *, base_url: str,
