@@ -122,9 +122,12 @@ class Worker:
     api_port: int
 
     def point(self, label: str, jobs: int) -> Point:
+        """The worker idle: its blocks counted after a full collection (the stats hook
+        collects when no job is in flight), so that two points differ by what stays alive."""
         now = time.time()
         proc = sample(self.process.pid, (self.vllm_port, self.api_port))
         stats = last_stats(self.stats_path, newer_than=now)
+        assert stats["collected"], f"{label}: the worker was not idle ({stats})"
         return Point(label, jobs, proc, stats["tasks"], stats["allocated_blocks"],
                      stats["task_kinds"], self.vllm_port, self.api_port)
 

@@ -52,9 +52,11 @@ def assert_nothing_leaked_nor_drifted(run: SoakRun) -> None:
     assert other_fds[1] == other_fds[0], other_fds
     # Memory over the second half: RSS is a high-water mark (the allocator keeps what a burst
     # of large streams took), so the second half must not raise it by more than a few MB;
-    # Python's own objects (blocks) return to where they were.
+    # Python's own objects (blocks, counted after a full collection: tests/soak.py Worker.point)
+    # return to where they were: +33 blocks over 1,200 stand-in jobs, +1,226 over 300 real
+    # ones, where a job that left even one dict behind would add tens.
     assert final.rss_mb - first_half < 3.0, (first_half, final.rss_mb)
-    assert final.blocks - base.blocks < 30 * len(run.plans), (base.blocks, final.blocks)
+    assert final.blocks - base.blocks < 15 * len(run.plans), (base.blocks, final.blocks)
     # Drift of CPU or of latency is a figure (tests/soak.py figures(), scripts/soak.py), not a
     # check: both are times, which a machine that stands still for seconds moves.
 

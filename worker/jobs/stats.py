@@ -5,12 +5,17 @@ With ``WORKER_STATS_FILE=/path/stats.jsonl`` (the settings ``stats_file`` and
 ``WORKER_STATS_INTERVAL`` seconds (default 1) while its job loop runs, one line::
 
     {"time": 1700000000.1, "tasks": 7, "task_kinds": {"JobScaler.get_jobs": 1, ...},
-     "allocated_blocks": 412345, "threads": 4, "jobs_in_flight": 0}
+     "allocated_blocks": 412345, "collected": true, "threads": 4, "jobs_in_flight": 0}
 
 ``tasks`` counts the live asyncio tasks of the worker's loop (``task_kinds`` by coroutine),
 ``allocated_blocks`` is ``sys.getallocatedblocks()`` (Python objects alive, a leak shows as
-growth), ``jobs_in_flight`` the jobs the SDK holds. What the kernel knows (RSS, open file
-descriptors, sockets, CPU) is read from ``/proc`` by the soak itself (``tests/soak.py``).
+growth), ``jobs_in_flight`` the jobs the SDK holds. When no job is in flight the line is written
+after a full garbage collection (``collected`` is then true): the cycles that wait for the
+collector's rare full pass (thousands of blocks, aiohttp's and asyncio's among them) would
+otherwise move the count by a few per cent from one idle moment to the next and hide a slow
+leak; with jobs in flight nothing is collected, so that the hook does not pause their streams.
+What the kernel knows (RSS, open file descriptors, sockets, CPU) is read from ``/proc`` by the
+soak itself (``tests/soak.py``).
 Unset, nothing runs: no task, no file.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import json
 import logging
 import sys
@@ -41,6 +47,9 @@ class StatsOptions:
 
 def snapshot(jobs_in_flight: int) -> dict[str, Any]:
     """The figures of one line (see the module's docstring)."""
+    collected = jobs_in_flight == 0
+    if collected:
+        gc.collect()
     tasks = asyncio.all_tasks()
     kinds = collections.Counter(
         getattr(task.get_coro(), "__qualname__", "?") for task in tasks
@@ -50,6 +59,7 @@ def snapshot(jobs_in_flight: int) -> dict[str, Any]:
         "tasks": len(tasks),
         "task_kinds": dict(sorted(kinds.items())),
         "allocated_blocks": sys.getallocatedblocks(),
+        "collected": collected,
         "threads": threading.active_count(),
         "jobs_in_flight": jobs_in_flight,
     }
