@@ -31,6 +31,26 @@ RUN python3 -m venv --without-pip /opt/worker \
        fi \
     && /opt/worker/bin/python -c "import runpod, worker.main"
 
+# -- models from object storage (MODEL_NAME=s3://bucket/prefix) ------------------------------
+# vLLM streams them with the Run:ai Model Streamer, its `runai` extra, which vLLM's own
+# Dockerfile installs into vllm/vllm-openai. A base without it (another VLLM_IMAGE, a CPU build)
+# gets that extra's requirements as its vLLM declares them, into vLLM's python3; vLLM itself is
+# not reinstalled. Nothing is installed when the base has them (docs/object-storage.md).
+# --break-system-packages: a base whose vLLM is in a distribution's Python (PEP 668's marker)
+# takes the packages where vLLM is; elsewhere the flag changes nothing.
+COPY scripts/image_runai_requirements.py /opt/worker-src/scripts/image_runai_requirements.py
+RUN set -f; missing="$(python3 /opt/worker-src/scripts/image_runai_requirements.py)" \
+    && if [ -n "$missing" ]; then \
+         echo "installing vLLM's runai extra: $missing"; \
+         if command -v uv >/dev/null 2>&1; then \
+           uv pip install --no-cache --break-system-packages --python "$(command -v python3)" \
+             $missing; \
+         else \
+           python3 -m pip install --no-cache-dir --break-system-packages $missing; \
+         fi; \
+       fi \
+    && python3 -c "import runai_model_streamer, runai_model_streamer_s3"
+
 # The catalog of `vllm serve` flags, dumped by the image's own vLLM (its python3), so that
 # every flag of this vLLM maps from the environment and the worker never imports vLLM.
 # VLLM_TARGET_DEVICE=cpu: a build has no GPU, and without it vLLM cannot infer a device and

@@ -27,6 +27,12 @@ answered. vLLM's own load dominates; this measures what the worker adds around i
       vLLM's start-up, plus the load).
    c. no model in the cache and the Hub refusing connections: bare vLLM's exit, and the worker's
       answer to a queued job (``hub_unreachable``, at the default HUB_RETRY_TIMEOUT).
+5. With ``--object-store``: the worker (queue mode) with the same tiny model (its weights padded
+   to ``--hub-weights-mib``) from three places, interleaved in each round: a bucket of the
+   loopback S3 store (tests/fake_s3.py; ``MODEL_NAME=s3://models/tiny``, the Run:ai Model
+   Streamer), the stand-in Hub with an empty cache, and the Hub cache those downloads left
+   (offline). Time to healthy and the bytes each read from the store or the Hub; no bandwidth
+   cap on either (loopback): what differs is the path, not the network.
 
 Prints figures only; nothing here fails on speed. Needs scripts/setup.sh to have run (but for
 ``--command``).
@@ -294,18 +300,61 @@ def hub_starts(scratch: Path, runs: int, weights_mib: int) -> None:
                   f"MiB fetched ({ours[0] / bare[0]:.2f}x, goal ≤ 0.85x)")
 
 
+def object_store_starts(scratch: Path, runs: int, weights_mib: int) -> None:
+    """(5): the same model from a bucket, from the Hub, and from the cache."""
+    from tests.fake_s3 import fake_s3
+
+    files = repo_files(tiny_model(), extra_weight_bytes=weights_mib << 20)
+    folder = scratch / "padded-model"
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    size = sum(len(data) for data in files.values())
+    print(f"the model: {len(files)} files, {size / 2**20:.1f} MiB")
+    with FakeHub() as hub, fake_s3() as store:
+        hub.add(REPO, files)
+        store.upload(folder, "models", "tiny")
+        for run in range(1, runs + 1):
+            port = free_port()
+            env = {**base_env(scratch, port), **store.env(), "MODEL_NAME": "s3://models/tiny",
+                   "HF_ENDPOINT": hub.url, "HF_HOME": str(scratch / f"hf-s3-{run}"),
+                   "VLLM_ASSETS_CACHE": str(scratch / f"assets-{run}")}
+            del env["HF_HUB_OFFLINE"]
+            mark, read = hub.count(), store.bytes_read
+            with FakeJobApi() as api:
+                bucket = time_to_healthy([PY, "-m", "worker"], {**api.env(), **env}, port,
+                                         scratch / f"worker-s3-{run}.log")
+            s3_read, s3_hub = store.bytes_read - read, len(hub.since(mark))
+            home = scratch / f"hf-hub-{run}"
+            from_hub = worker(scratch, hub, home, f"hub-{run}")
+            cached = worker(scratch, hub, home, f"cache-{run}")
+            print(f"round {run}")
+            print(f"  from the bucket:       healthy after {bucket:6.1f} s, {s3_read / 2**20:6.1f} "
+                  f"MiB read from the store, {s3_hub} Hub requests")
+            print(f"  from the Hub:          healthy after {from_hub[0]:6.1f} s, "
+                  f"{from_hub[2] / 2**20:6.1f} MiB of files fetched, {from_hub[1]} Hub requests")
+            print(f"  from the local cache:  healthy after {cached[0]:6.1f} s, "
+                  f"{cached[2] / 2**20:6.1f} MiB of files fetched, {cached[1]} Hub requests")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--compile-cache", action="store_true")
     parser.add_argument("--hub", action="store_true", help="only the starts from a Hub (4)")
     parser.add_argument("--hub-weights-mib", type=int, default=48)
+    parser.add_argument("--object-store", action="store_true",
+                        help="only the starts from a bucket, the Hub and the cache (5)")
     parser.add_argument("--command", action="store_true",
                         help="only the command before vLLM (0); needs no vLLM")
     parser.add_argument("--command-runs", type=int, default=5)
     args = parser.parse_args()
     if args.command:
         command_figures(args.command_runs)
+        return 0
+    if args.object_store:
+        with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:
+            object_store_starts(Path(tmp), args.runs, args.hub_weights_mib)
         return 0
     if args.hub:
         with tempfile.TemporaryDirectory(prefix="bench-coldstart-") as tmp:

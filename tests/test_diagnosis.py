@@ -158,9 +158,17 @@ class Case:
     config: Mapping[str, object] | None = None
     """The keys of a config file at /vllm_config.yaml, when the user mounted one."""
     recoverable: bool = False
+    transient: bool = False
 
 
 MODEL_ENV = {"MODEL_NAME": "Qwen/Qwen3-8B", "MAX_MODEL_LEN": "100000"}
+
+
+def in_a_bucket(uri: str) -> dict[str, str]:
+    """A model in a loopback S3-compatible store with static keys, as the logs were made."""
+    return {"MODEL_NAME": uri, "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+            "AWS_ACCESS_KEY_ID": "AKIAWORKERTESTS00001",
+            "AWS_SECRET_ACCESS_KEY": "worker-tests-secret-access-key-0123456789"}
 
 CASES = [
     # ---- out of memory ----
@@ -652,6 +660,61 @@ CASES = [
         fix_has=("BASE_PATH=/runpod-volume", "network volume", "container disk"),
         env={"BASE_PATH": "/runpod-volume"},
     ),
+    # ---- a model in object storage (tests/data/failure_logs/object_store_*.log) ----
+    Case(
+        "object-store-bucket-missing",
+        fixture("object_store_no_bucket.log"),
+        "object_store_not_found",
+        cause_has=("The bucket 'nobucket' of MODEL_NAME=s3://nobucket/tiny does not exist at "
+                   "http://127.0.0.1:9000 (AWS_ENDPOINT_URL)",),
+        fix_has=("MODEL_NAME", "AWS_REGION"),
+        env=in_a_bucket("s3://nobucket/tiny"),
+    ),
+    Case(
+        "object-store-prefix-without-a-model",
+        fixture("object_store_prefix_empty.log"),
+        "object_store_empty",
+        cause_has=("No model was found under s3://models/nothing at http://127.0.0.1:9000",
+                   "model_streamer/decfcada"),
+        fix_has=("MODEL_NAME", "aws s3 sync model s3://models/nothing/"),
+        env=in_a_bucket("s3://models/nothing"),
+    ),
+    Case(
+        "object-store-keys-refused",
+        fixture("object_store_keys_refused.log"),
+        "object_store_access_denied",
+        cause_has=("refused the credentials for s3://models/tiny", "InvalidAccessKeyId"),
+        fix_has=("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "'models'", "s3:GetObject"),
+        env=in_a_bucket("s3://models/tiny"),
+    ),
+    Case(
+        "object-store-unreachable",
+        fixture("object_store_unreachable.log"),
+        "object_store_unreachable",
+        cause_has=("did not answer for s3://models/tiny", "Could not connect to the endpoint"),
+        fix_has=("AWS_ENDPOINT_URL", "once more"),
+        env=in_a_bucket("s3://models/tiny"),
+        transient=True,
+    ),
+    Case(
+        "object-store-weights-not-safetensors",
+        fixture("object_store_no_safetensors.log"),
+        "object_store_no_safetensors",
+        cause_has=("s3://models/binonly holds no *.safetensors",),
+        fix_has=("safetensors", "MODEL_NAME=ORG/NAME"),
+        env=in_a_bucket("s3://models/binonly"),
+    ),
+    Case(
+        "object-store-streamer-missing",
+        fixture("object_store_streamer_missing.log"),
+        "object_store_streamer_missing",
+        cause_has=("No module named 'runai_model_streamer'", "s3://models/tiny"),
+        fix_has=("runai-model-streamer[s3,gcs,azure]",),
+        env=in_a_bucket("s3://models/tiny"),
+    ),
+    # The same errors for a start that reads no bucket are not read as the store's.
+    Case("no-such-bucket-of-something-else", fixture("object_store_no_bucket.log"), None),
+    Case("an-endpoint-of-something-else", fixture("object_store_unreachable.log"), None),
     # ---- not recognised: a restart (on another host) may help, or we do not know ----
     Case("cuda-illegal-memory-access", fixture("gpu_cuda_illegal_memory_access.log"), None),
     # A library missing from the image: prestart_failed, with the root error first
@@ -740,6 +803,7 @@ def test_diagnose(case: Case) -> None:
     assert diagnosis is not None
     assert diagnosis.kind == case.kind, diagnosis
     assert diagnosis.recoverable_by_smaller_footprint is case.recoverable
+    assert diagnosis.transient is case.transient
     for words in case.cause_has:
         assert words in diagnosis.cause, (words, diagnosis.cause)
     for words in case.fix_has:

@@ -8,15 +8,18 @@ Option 2 (the tiny model downloaded at build time from a loopback stand-in of th
 Hub, as a gated repo that needs the build secret). Containers run the image's own entrypoint
 with buildah, on the host's network, against the test bed's loopback job API:
 
-* serverless mode: prompt, messages, a stream and a generic route answered by real vLLM; the
-  flag catalog is the baked file, and no catalog is dumped at start;
+* serverless mode, the model streamed from a bucket of a loopback S3 store (moto) by the Run:ai
+  Model Streamer that the build added to the base: prompt, messages, a stream and a generic
+  route answered by real vLLM; the flag catalog is the baked file, and no catalog is dumped at
+  start;
 * local mode: the README's ``/runsync`` curl call;
 * http mode (a plain pod) and lb mode (a load-balancing endpoint): ``/v1/models``, a chat
   completion, the health route (``/health``, ``/ping``);
 * Option 2: the baked model served offline (the stand-in Hub counts no request at start), and
   a diagnosed start failure answering jobs with ``startup_error``;
 * secrets: the build secret is in no layer, config, history entry or build log; a run-time
-  ``HF_TOKEN`` is in no process's argv and no log line (and does reach vLLM's environment);
+  ``HF_TOKEN`` and ``AWS_SECRET_ACCESS_KEY`` are in no process's argv and no log line (and do
+  reach vLLM's environment);
 * ``VLLM_VERSION`` as ``v0.32.0`` and ``latest`` builds on that tag, and ``0.32.0`` (no
   official tag) fails naming it, with either builder;
 * Debian 12's buildah 1.28 builds Options 1 and 2 too, into images with the same entry point,
@@ -48,6 +51,7 @@ import pytest
 from tests.conftest import free_port, report_figure
 from tests.fake_hub import FakeHub
 from tests.fake_job_api import FakeJobApi, JobRecord
+from tests.fake_s3 import SECRET_ACCESS_KEY, FakeS3, fake_s3
 from tests.image_bed import Build, Container, ImageBed
 from tests.shared_workers import POOL, pooled
 from tests.test_docker import readme_docker_builds
@@ -238,17 +242,25 @@ def wait_taking_jobs(running: Running) -> float:
 pooled("serverless", "image-serverless")
 
 
+@pytest.fixture(scope="module")
+def bucket(tiny_model: Path) -> Iterator[FakeS3]:
+    """A loopback S3-compatible store holding the tiny model under s3://models/tiny."""
+    with fake_s3() as store:
+        store.upload(tiny_model, "models", "tiny")
+        yield store
+
+
 @pytest.fixture
 def serverless(containers: Containers, option1: Build, serverless_api: FakeJobApi,
-               tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Running:
-    """Option 1 in serverless mode, the model from a mounted folder, a run-time HF_TOKEN;
-    shared by the tests that read it, stopped once they are done (tests/shared_workers.py)."""
+               bucket: FakeS3, tmp_path_factory: pytest.TempPathFactory) -> Running:
+    """Option 1 in serverless mode, the model streamed from a bucket of a loopback S3 store
+    (the streamer the build added to a base without it), a run-time HF_TOKEN; shared by the
+    tests that read it, stopped once they are done (tests/shared_workers.py)."""
     def start() -> Running:
-        env = {**serverless_api.env(), "MODEL_NAME": MODEL_IN_CONTAINER, "HF_HUB_OFFLINE": "1",
+        env = {**serverless_api.env(), **bucket.env(), "MODEL_NAME": "s3://models/tiny",
                "HF_TOKEN": RUNTIME_TOKEN}
         log = tmp_path_factory.mktemp("serverless") / "container.log"
-        running = containers.start(option1.tag, env, log,
-                                   mounts=[(tiny_model, MODEL_IN_CONTAINER)])
+        running = containers.start(option1.tag, env, log)
         try:
             report_figure(f"cold start in the container (entrypoint -> taking jobs): "
                           f"{wait_taking_jobs(running):.1f} s")
@@ -312,6 +324,21 @@ def test_a_runtime_hf_token_is_in_no_argv_and_no_log_line(serverless: Running) -
     assert f"HF_TOKEN={RUNTIME_TOKEN}".encode() in environ, "the token did not reach vLLM"
     assert RUNTIME_TOKEN not in every_cmdline(), "HF_TOKEN's value is in a process's argv"
     assert RUNTIME_TOKEN not in serverless.container.log(), "HF_TOKEN's value is in the log"
+    # The store's secret key too: in vLLM's environment, in no argv and no log line.
+    assert f"AWS_SECRET_ACCESS_KEY={SECRET_ACCESS_KEY}".encode() in environ
+    assert SECRET_ACCESS_KEY not in every_cmdline() + serverless.container.log()
+
+
+def test_the_build_added_the_streamer_and_the_model_streamed_from_the_bucket(
+    serverless: Running, option1: Build, bucket: FakeS3, tiny_model: Path,
+) -> None:
+    # The stand-in base has no runai_model_streamer (install_vllm_cpu.sh installs vLLM alone):
+    # the Dockerfile installed vLLM's runai extra, and the worker streamed the model with it.
+    assert "installing vLLM's runai extra: runai-model-streamer" in option1.log
+    log = serverless.container.log()
+    assert "model s3://models/tiny: streamed from http://127.0.0.1:" in log, log[-3000:]
+    assert "Loading safetensors using Runai Model Streamer" in log, log[-3000:]
+    assert bucket.bytes_read > (tiny_model / "model.safetensors").stat().st_size
 
 
 def test_local_mode_serves_the_readmes_runsync_call(

@@ -38,6 +38,9 @@ from worker.start.policy import (
 OOM = Diagnosis("out_of_memory", "vLLM ran out of memory.", "Lower MAX_MODEL_LEN.", True)
 TOO_LONG = Diagnosis("max_model_len_too_large", "Too long.", "Set MAX_MODEL_LEN to 4096.")
 DISK_FULL = Diagnosis("disk_full", "The disk is full.", "Give the worker more disk.")
+STORE_DOWN = Diagnosis("object_store_unreachable", "The object store did not answer.",
+                       "Check AWS_ENDPOINT_URL.", transient=True)
+IN_A_BUCKET = {"MODEL_NAME": "s3://models/tiny", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
 HUB_NO = StartupError("Hugging Face has no model acme/x. Fix: check MODEL_NAME.",
                       kind="model_not_found")
 TAIL = ("INFO loading", "RuntimeError: something odd")
@@ -89,6 +92,12 @@ ROWS = [
     Row("disk-full-again-after-the-local-relaunch", Exited(1, TAIL, DISK_FULL), {},
         ("a relaunch with vLLM's cache on the local disk instead of the volume",), Fail,
         "startup_error", ("Already tried",)),
+    Row("an-object-store-that-did-not-answer-gets-one-more-start",
+        Exited(1, TAIL, STORE_DOWN), IN_A_BUCKET, (), Relaunch),
+    Row("then-the-platform-retries-with-the-diagnosis", Exited(1, TAIL, STORE_DOWN),
+        IN_A_BUCKET, ("a relaunch with the same settings (the store did not answer)",), Fail,
+        "prestart_failed", ("The object store did not answer. Fix: Check AWS_ENDPOINT_URL.",
+                            "Already tried: a relaunch with the same settings")),
     Row("unrecognised", Exited(1, TAIL, None), {}, (), Fail, "prestart_failed",
         ("exited with code 1", "does not recognise")),
     Row("timeout", TimedOut(None, TAIL), {}, (), Fail, "prestart_failed",
@@ -100,6 +109,8 @@ ROWS = [
 def test_decide(row: Row) -> None:
     decision = decide_for(row.attempt, row.env, row.tried, volume_cache=row.volume_cache)
     assert isinstance(decision, row.expected), decision
+    if isinstance(decision, Relaunch) and row.attempt == Exited(1, TAIL, STORE_DOWN):
+        assert decision.env == row.env  # the same start again: nothing to change
     if isinstance(decision, Fail):
         assert decision.error.type == row.error_type
         for words in row.says:

@@ -2,7 +2,8 @@
 
 The Hub repos a command makes vLLM fetch (:class:`HubTarget`, planned by
 :mod:`worker.model.targets`) and where each one comes from, the cache or the Hub
-(:class:`ModelSources`, decided by :mod:`worker.model.source`), travel in the resolved command
+(:class:`ModelSources`, decided by :mod:`worker.model.source`), or the bucket it streams from
+(:class:`ObjectStore`, decided by :mod:`worker.model.object_store`), travel in the resolved command
 (:class:`worker.config.resolved.VllmCommand`) for every later stage. Data only: deciding them
 is the model stage's.
 """
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["HubTarget", "ModelSources", "RepoSource"]
+__all__ = ["HubTarget", "ModelSources", "ObjectStore", "ObjectUri", "RepoSource"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,69 @@ class RepoSource:
 
 
 @dataclass(frozen=True)
+class ObjectUri:
+    """One ``s3://bucket/prefix`` (or ``gs://``, ``az://``) the command makes vLLM read."""
+
+    uri: str
+    role: str
+    """``model`` or ``tokenizer``."""
+    variable: str
+    """The setting that holds it (``MODEL_NAME``, ``TOKENIZER_NAME``, ...)."""
+
+    @property
+    def scheme(self) -> str:
+        return self.uri.split("://", 1)[0].lower()
+
+    @property
+    def bucket(self) -> str:
+        return self.uri.split("://", 1)[1].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        rest = self.uri.split("://", 1)[1]
+        return rest.split("/", 1)[1].strip("/") if "/" in rest else ""
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """The object storage the model streams from (Run:ai Model Streamer), as the environment
+    names it: the URIs, the endpoint (None: AWS itself), the region and which credentials are
+    set (their names only, never a value)."""
+
+    uris: tuple[ObjectUri, ...]
+    load_format: str
+    load_format_reason: str
+    endpoint: str | None = None
+    endpoint_variable: str | None = None
+    region: str | None = None
+    credentials: str = ""
+    """What authenticates the requests, in words (``AWS_ACCESS_KEY_ID and ...``)."""
+
+    @property
+    def model(self) -> ObjectUri | None:
+        return next((uri for uri in self.uris if uri.role == "model"), None)
+
+    @property
+    def where(self) -> str:
+        """The store in words: ``http://127.0.0.1:9000 (AWS_ENDPOINT_URL)`` or AWS S3."""
+        scheme = (self.model or self.uris[0]).scheme
+        if self.endpoint is not None and scheme == "s3":
+            return f"{self.endpoint} ({self.endpoint_variable})"
+        region = f" in {self.region}" if self.region else ""
+        return {"gs": "Google Cloud Storage", "az": "Azure Blob Storage"}.get(
+            scheme, f"AWS S3{region}")
+
+    def lines(self) -> list[str]:
+        """The dry run's and the start's lines about it."""
+        return [
+            *(f"{uri.role} {uri.uri}: streamed from {self.where} by the Run:ai Model Streamer "
+              f"({uri.variable})" for uri in self.uris),
+            f"--load-format {self.load_format}: {self.load_format_reason}",
+            f"credentials: {self.credentials}",
+        ]
+
+
+@dataclass(frozen=True)
 class ModelSources:
     """Where every repo of the command comes from, and what that changes for vLLM.
 
@@ -65,6 +129,8 @@ class ModelSources:
     flags: Mapping[str, str] = field(default_factory=dict)
     caches: tuple[str, ...] = ()
     """The cache folders looked in, vLLM's first."""
+    object_store: ObjectStore | None = None
+    """The bucket the model (or tokenizer) streams from, when it does."""
 
     @property
     def from_hub(self) -> tuple[RepoSource, ...]:
@@ -79,4 +145,6 @@ class ModelSources:
     def lines(self) -> list[str]:
         """One line per repo and the verdict: the dry run's and the start's log."""
         lines = [f"{s.target.role} {s.target.label}: {s.reason}" for s in self.repos]
+        if self.object_store is not None:
+            lines = [*self.object_store.lines(), *lines]
         return [*lines, self.reason] if self.reason else lines

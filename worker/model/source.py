@@ -1,4 +1,4 @@
-"""Where the model comes from: the cache on disk (then vLLM runs offline) or the Hub.
+"""Where the model comes from: the cache on disk (then vLLM runs offline), the Hub, or a bucket.
 
 A worker whose model is already on the network volume or in Runpod's cached models
 (``/runpod-volume/huggingface-cache/hub``) needs nothing from the Hub, yet vLLM asks it a dozen
@@ -44,6 +44,7 @@ from worker.model.files import (
     select_files,
     weight_patterns,
 )
+from worker.model.object_store import ObjectStoreAccess, ObjectStorePlan, plan_object_store
 from worker.model.targets import plan_hub_checks
 
 __all__ = ["ModelSources", "Needs", "RepoSource", "needs_of", "resolve_sources", "runpod_cache_dir"]
@@ -206,14 +207,41 @@ def resolve_sources(
     *,
     caches: Sequence[str],
     path_exists: Callable[[str], bool],
+    objects: ObjectStoreAccess | None = None,
 ) -> ModelSources:
     """Where each repo of ``command`` comes from, and whether vLLM runs offline.
 
     ``caches`` are the cache folders to look in, vLLM's own first (its ``HF_HUB_CACHE``), then
-    Runpod's cached models; ``read_repo(cache, repo_id)`` says what one holds of a repo.
+    Runpod's cached models; ``read_repo(cache, repo_id)`` says what one holds of a repo;
+    ``objects`` what the environment says of object storage, for a model streamed from a
+    bucket (:mod:`worker.model.object_store`).
     """
     sources = _resolve(command, hub, read_repo, caches=caches, path_exists=path_exists)
+    plan = plan_object_store(command, objects or ObjectStoreAccess())
+    if plan is not None:
+        sources = _with_object_store(sources, plan, command, hub, path_exists)
     return replace(sources, caches=tuple(caches))
+
+
+def _with_object_store(sources: ModelSources, plan: ObjectStorePlan, command: VllmCommand,
+                       hub: HubAccess, path_exists: Callable[[str], bool]) -> ModelSources:
+    """``sources`` with the bucket the model streams from; offline when nothing else of the
+    command comes from the Hub (every other value a local path or object storage)."""
+    sources = replace(sources, object_store=plan.store, flags={**sources.flags, **plan.flags},
+                      env={**sources.env, **plan.env})
+    if sources.repos or sources.offline or hub.offline is not None or hub.modelscope:
+        return sources
+    if command.baked_model is not None:
+        return sources
+    if any("not a Hugging Face repo id" in skipped
+           for skipped in plan_hub_checks(command, hub, path_exists=path_exists).skipped):
+        return sources
+    if hub.online_forced is not None:
+        return replace(sources, reason=f"{hub.online_forced} is set: vLLM may ask the Hub, "
+                                       "though nothing of the command comes from it")
+    return replace(sources, offline=True, env={**sources.env, "HF_HUB_OFFLINE": "1"},
+                   reason="nothing comes from the Hugging Face Hub: vLLM runs offline "
+                          "(HF_HUB_OFFLINE=1), with no Hub request")
 
 
 def _resolve(

@@ -30,6 +30,7 @@ from worker.config.settings import WORKER_SETTING_NAMES, Settings
 from worker.config.values import is_true, parse_bool
 from worker.model.adapters import hub_adapters_setting
 from worker.model.cache import CachedRepo, read_cached_repo
+from worker.model.object_store import object_store_access
 from worker.model.source import resolve_sources, runpod_cache_dir
 from worker.model.volume_cache import CacheChoice, choose_cache_root
 
@@ -212,7 +213,8 @@ class Builder:
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (
             *hub.cache_dirs[:1], runpod_cache_dir(self.settings.base_path))))
         sources = resolve_sources(command, hub, self._read_repo, caches=caches,
-                                  path_exists=self._file_exists)
+                                  path_exists=self._file_exists,
+                                  objects=object_store_access(child))
         child.update(sources.env)
         return Launch(
             command=command.with_model_sources(sources),

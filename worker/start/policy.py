@@ -14,6 +14,8 @@ it says. Every branch is table-tested without a process.
   WORKER_OOM_RELAUNCH=false);
 * a full disk with vLLM's cache on the volume → one relaunch with the cache on local disk;
   (what a relaunch changes is read from the command: the flags as they were resolved);
+* an object store that did not answer → one relaunch as it was, then ``prestart_failed``
+  with the diagnosis (the worker exits, the platform retries);
 * any other diagnosed failure (or one a relaunch did not fix) → ``startup_error``;
 * unrecognised, or no healthy vLLM in time → ``prestart_failed`` with the root error first.
 """
@@ -174,6 +176,13 @@ def decide(
             exit_code=attempt.exit_code,
             logs=logs_for_jobs(attempt.log_tail, attempt.exit_code),
         ))
+    if diagnosis.transient:
+        if not tried:
+            return Relaunch(start.env, "the same settings (the store did not answer)")
+        return Fail(PrestartFailed(
+            mask(f"{diagnosis.message} Already tried: {', '.join(tried)}."),
+            kind=diagnosis.kind, exit_code=attempt.exit_code,
+            logs=logs_for_jobs(attempt.log_tail, attempt.exit_code)))
     if not tried:
         if (oom_relaunch and diagnosis.recoverable_by_smaller_footprint
                 and (smaller := smaller_footprint(start))):

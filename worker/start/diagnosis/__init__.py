@@ -39,6 +39,9 @@ class Diagnosis:
     cause: str
     fix: str
     recoverable_by_smaller_footprint: bool = False
+    transient: bool = False
+    """The fault may be gone on the next start (an object store that did not answer): the
+    start policy starts vLLM once more, then the platform retries."""
 
     @property
     def message(self) -> str:
@@ -68,5 +71,6 @@ def diagnose(log_tail: Sequence[str], exit_code: int | None, launch: Launch) -> 
             cause, fix = rule.explain(match, raised, context)
             if not fix:
                 continue  # the rule needs something the message lacks (e.g. a flag to name)
-            return Diagnosis(rule.kind, full_stop(cause), fix, rule.recoverable)
+            return Diagnosis(rule.kind, full_stop(cause), fix, rule.recoverable,
+                             rule.transient)
     return None

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 
 from worker.config.resolved import Launch
 from worker.start.diagnosis.logread import Raised
+from worker.start.diagnosis.storage import (
+    explain_access_denied,
+    explain_empty_prefix,
+    explain_no_bucket,
+    explain_no_safetensors,
+    explain_streamer_missing,
+    explain_unreachable,
+    uses_object_store,
+)
 from worker.start.diagnosis.wording import (
     Context,
     explain_architecture,
@@ -51,6 +60,8 @@ class Rule:
     """Some frame of the traceback (``path:function``) must match."""
     condition: Callable[[Launch], bool] | None = None
     """The rule applies only to starts for which this is true."""
+    transient: bool = False
+    """A fault that may be gone on the next start (the store did not answer)."""
 
 
 def frames_match(rule: Rule, raised: Raised) -> bool:
@@ -150,6 +161,52 @@ RULES: tuple[Rule, ...] = (
         "disk_full",
         _rx(r"No space left on device|\[Errno 28\]|os error 28|\bENOSPC\b"),
         explain_disk_full,
+    ),
+    # A model in object storage (worker/model/object_store.py). vLLM pulls its configs with
+    # boto3 (vllm/transformers_utils/runai_utils.py, runai_model_streamer_s3/files/files.py):
+    # botocore's "An error occurred (NoSuchBucket) when calling the ListObjectsV2 operation:
+    # The specified bucket does not exist".
+    Rule("object_store_not_found", _rx(r"\(NoSuchBucket\)|NoSuchBucket:"), explain_no_bucket,
+         condition=uses_object_store),
+    # S3's error codes for keys it does not take, and botocore's for none found
+    # (NoCredentialsError "Unable to locate credentials", PartialCredentialsError).
+    Rule(
+        "object_store_access_denied",
+        _rx(
+            r"\((?:InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|ExpiredToken"
+            r"|InvalidToken|TokenRefreshRequired|AuthorizationHeaderMalformed|403)\)"
+            r"|NoCredentialsError|Unable to locate credentials|PartialCredentialsError"
+        ),
+        explain_access_denied,
+        condition=uses_object_store,
+    ),
+    # botocore EndpointConnectionError "Could not connect to the endpoint URL: {url}",
+    # ConnectTimeoutError, ReadTimeoutError: the store may answer on the next start.
+    Rule(
+        "object_store_unreachable",
+        _rx(r"Could not connect to the endpoint URL|EndpointConnectionError"
+            r"|Connect timeout on endpoint URL|Read timeout on endpoint URL"),
+        explain_unreachable,
+        condition=uses_object_store,
+        transient=True,
+    ),
+    # vllm/utils/import_utils.py PlaceholderModule: the import of the missing package, raised
+    # when vLLM first calls it: "No module named 'runai_model_streamer'".
+    Rule("object_store_streamer_missing", _rx(r"No module named '?runai_model_streamer"),
+         explain_streamer_missing, condition=uses_object_store),
+    # vllm/model_executor/model_loader/runai_streamer_loader.py: "Cannot find any safetensors
+    # model weights with `{model}`".
+    Rule("object_store_no_safetensors", _rx(r"Cannot find any safetensors model weights with"),
+         explain_no_safetensors, condition=uses_object_store),
+    # Nothing pulled from the prefix: vLLM's copy of the configs stays empty and
+    # vllm/transformers_utils/config.py answers "Invalid repository ID or local directory
+    # specified: '~/.cache/vllm/assets/model_streamer/<hash>'".
+    Rule(
+        "object_store_empty",
+        _rx(r"(?:Invalid repository ID or local directory specified:|The model path) "
+            r"'?(?P<copy>[^'\s]*model_streamer/[0-9a-f]+)"),
+        explain_empty_prefix,
+        condition=uses_object_store,
     ),
     # vllm/config/model.py _get_and_verify_max_len: "User-specified max_model_len
     # ({max_model_len}) is greater than the derived max_model_len ({max_len_key}=
