@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,6 @@ class FakeS3:
         self._thread.join()
 
 
-def object_sizes(client: Any, bucket: str, prefix: str) -> dict[str, int]:
-    """key → size of the objects under ``prefix``."""
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {obj["Key"]: obj["Size"] for page in pages for obj in page.get("Contents", [])}
-
-
 @contextlib.contextmanager
 def fake_s3() -> Iterator[FakeS3]:
     store = FakeS3()
@@ -111,10 +105,4 @@ def fake_s3() -> Iterator[FakeS3]:
         store.stop()
 
 
-def without_aws(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without the AWS variables of the machine running the tests."""
-    return {k: v for k, v in env.items() if not k.startswith("AWS_")}
-
-
-__all__ = ["ACCESS_KEY_ID", "REGION", "SECRET_ACCESS_KEY", "FakeS3", "fake_s3", "object_sizes",
-           "without_aws"]
+__all__ = ["ACCESS_KEY_ID", "REGION", "SECRET_ACCESS_KEY", "FakeS3", "fake_s3"]
