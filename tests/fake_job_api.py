@@ -148,6 +148,9 @@ class FakeJobApi:
         self._port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._connections: dict[socket.socket, bool] = {}  # open connection -> busy
+        # Idle connections a restart closed: a request that was already on its way in on one
+        # (read before the close, parsed after) is dropped unanswered, as by a real restart.
+        self._dropped: set[socket.socket] = set()
         self._down = False
         self._back = threading.Event()  # ends a refusal before its seconds are up
         self._closed = False
@@ -199,11 +202,7 @@ class FakeJobApi:
             old.socket.shutdown(socket.SHUT_RDWR)
         old.shutdown()
         old.server_close()
-        with self._cond:
-            idle = [conn for conn, busy in self._connections.items() if not busy]
-        for conn in idle:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        self._close_idle_connections()
         self._back.wait(seconds)
         self._server = _QuietServer(("127.0.0.1", self._port), self._handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -212,6 +211,16 @@ class FakeJobApi:
             self._down = False
             self.refusals.append((started, time.monotonic()))
             self._cond.notify_all()
+
+    def _close_idle_connections(self) -> None:
+        """Close the keep-alive connections no request is using, as a restart does; decided
+        under the lock a request's start takes (:meth:`_begin_request`)."""
+        with self._cond:
+            idle = [conn for conn, busy in self._connections.items() if not busy]
+            self._dropped.update(idle)
+            for conn in idle:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
 
     def env(self, worker_id: str = "test-worker") -> dict[str, str]:
         base = self.url
@@ -374,8 +383,20 @@ class FakeJobApi:
         with self._cond:
             if busy is None:
                 self._connections.pop(conn, None)
+                self._dropped.discard(conn)
             else:
                 self._connections[conn] = busy
+
+    def _begin_request(self, conn: socket.socket) -> bool:
+        """Mark ``conn`` busy for the request just read from it; False when a restart had
+        already closed it as idle. Without this a request that arrived as the restart closed
+        its connection was still recorded, after the worker had seen the close and sent the
+        job's next POST: the platform would have had a job's stream out of order."""
+        with self._cond:
+            if conn in self._dropped:
+                return False
+            self._connections[conn] = True
+            return True
 
     def _make_handler(self) -> type[BaseHTTPRequestHandler]:
         api = self
@@ -399,7 +420,9 @@ class FakeJobApi:
                     super().finish()
 
             def parse_request(self) -> bool:
-                api._set_busy(self.connection, True)
+                if not api._begin_request(self.connection):
+                    self.close_connection = True
+                    return False
                 return super().parse_request()
 
             def _reply(self, status: int, payload: Any = None) -> bool:
