@@ -16,7 +16,7 @@ import re
 from worker.config.resolved import Launch
 from worker.config.sources import ObjectStore, ObjectUri
 from worker.start.diagnosis.logread import Raised
-from worker.start.diagnosis.wording import Context, _quote
+from worker.start.diagnosis.wording import Context, quote
 
 __all__ = [
     "explain_access_denied",
@@ -78,7 +78,7 @@ def explain_access_denied(match: re.Match[str], raised: Raised,
     store = _store(context)
     uri = _named(store, raised.message)
     return (f"The store at {store.where} refused the credentials for {uri.uri}: "
-            f"{_quote(raised.message, 200)}",
+            f"{quote(raised.message, 200)}",
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN with "
             f"temporary keys) to keys that may list and read the bucket '{uri.bucket}' "
             f"(s3:ListBucket and s3:GetObject); now: {store.credentials}.")
@@ -99,7 +99,7 @@ def explain_streamer_missing(match: re.Match[str], raised: Raised,
                              context: Context) -> tuple[str, str]:
     store = _store(context)
     uri = store.model or store.uris[0]
-    return (f"This image's vLLM lacks the Run:ai Model Streamer ({_quote(raised.message, 120)}),"
+    return (f"This image's vLLM lacks the Run:ai Model Streamer ({quote(raised.message, 120)}),"
             f" with which it reads {uri.uri}",
             "use the worker's image (it installs vLLM's runai extra when its base lacks it), or "
             "add it to your image's vLLM: pip install 'runai-model-streamer[s3,gcs,azure]'.")
@@ -110,7 +110,7 @@ def explain_unreachable(match: re.Match[str], raised: Raised,
     store = _store(context)
     uri = store.model or store.uris[0]
     return (f"The object store at {store.where} did not answer for {uri.uri}: "
-            f"{_quote(raised.message, 200)}",
+            f"{quote(raised.message, 200)}",
             f"check {store.endpoint_variable or 'AWS_ENDPOINT_URL'} (scheme, host and port) and "
             "that the store is reachable from the worker; the worker starts vLLM once more, "
             "then exits so that the platform retries.")

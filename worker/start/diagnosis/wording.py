@@ -63,7 +63,7 @@ def _came_from(flag: str, context: Context) -> str:
     return f"{flag} came from {source}"
 
 
-def _quote(text: str, limit: int = _QUOTE_LIMIT) -> str:
+def quote(text: str, limit: int = _QUOTE_LIMIT) -> str:
     """vLLM's message, shortened at a word boundary: the user reads the gist, the log the rest."""
     text = re.sub(r"\s+", " ", text).strip()
     if len(text) <= limit:
@@ -132,7 +132,7 @@ def _smaller_footprint(context: Context) -> str:
 
 def explain_cuda_oom(match: re.Match[str], raised: Raised, context: Context) -> tuple[str, str]:
     total = match.groupdict().get("total")
-    cause = f"vLLM ran out of GPU memory: {_quote(_sentences(raised.message, 3 if total else 1))}"
+    cause = f"vLLM ran out of GPU memory: {quote(_sentences(raised.message, 3 if total else 1))}"
     space = f" in the GPU's {total}" if total else ""
     fix = (
         f"Make the model and its buffers fit{space}: "
@@ -147,7 +147,7 @@ def explain_oom_loading(
 ) -> tuple[str, str]:
     total = match.groupdict().get("total")
     space = f" ({total})" if total else ""
-    cause = f"The model's weights do not fit in GPU memory: {_quote(_sentences(raised.message, 3))}"
+    cause = f"The model's weights do not fit in GPU memory: {quote(_sentences(raised.message, 3))}"
     fix = (
         f"Use a quantized checkpoint (AWQ, GPTQ, FP8) in {_variable('--model', context)}, "
         f"spread the model over more GPUs ({_variable('--tensor-parallel-size', context)}), "
@@ -165,14 +165,14 @@ def explain_kv_too_small(
         sentences = 2 if groups.get("estimated") else 1
         cause = (
             "The KV cache cannot hold one request of the maximum length: "
-            f"{_quote(_sentences(raised.message, sentences))}"
+            f"{quote(_sentences(raised.message, sentences))}"
         )
         if groups.get("estimated"):
             first = f"set {_assign('--max-model-len', groups['estimated'], context)} or lower"
         else:
             first = f"lower {max_len}"
     else:
-        cause = f"vLLM has no memory left for the KV cache: {_quote(_sentences(raised.message, 1))}"
+        cause = f"vLLM has no memory left for the KV cache: {quote(_sentences(raised.message, 1))}"
         first = f"lower {max_len}"
     if _explicit_kv_cache(context):
         knobs = (
@@ -203,7 +203,7 @@ def explain_memory_taken(
     utilization = _variable("--gpu-memory-utilization", context)
     free, total = float(match["free"]), float(match["total"])
     share = math.floor(max(free / total - 0.05, 0.05) * 20) / 20 if total else 0.5
-    reason = _quote(_sentences(raised.message, 1))
+    reason = quote(_sentences(raised.message, 1))
     cause = f"Less memory is free than vLLM was told to reserve: {reason}"
     what = match["what_kv"] or match["what"]
     if what == "kv":
@@ -235,7 +235,7 @@ def explain_max_model_len(
     if model_max not in (None, "None"):
         derived = max(derived, int(float(model_max)))
     variable = _variable("--max-model-len", context)
-    cause = f"The model's context is shorter than requested: {_quote(_sentences(match[0], 1))}"
+    cause = f"The model's context is shorter than requested: {quote(_sentences(match[0], 1))}"
     fix = (
         f"Set {variable} to {derived} or less (or leave it unset for the model's own maximum); "
         "only if the model really handles longer contexts (e.g. with RoPE scaling), set "
@@ -248,7 +248,7 @@ def explain_bad_flag(match: re.Match[str], raised: Raised, context: Context) -> 
     """argparse or a config validator rejected a value: quote it, say where the flag came from."""
     flags = _named_flags(raised, context, strict=raised.cls != "argparse" and not raised.fields)
     what = "command line" if raised.cls == "argparse" else "configuration"
-    cause = f"vLLM rejected its {what}: {_quote(raised.message)}"
+    cause = f"vLLM rejected its {what}: {quote(raised.message)}"
     if not flags:
         if raised.cls != "argparse":
             return cause, ""
@@ -293,14 +293,14 @@ def explain_model_not_found(
 ) -> tuple[str, str]:
     repo = _failing_repo(context)
     variable = _repo_variable(repo, context)
-    quote = _quote(_sentences(raised.message, 1))
+    said = quote(_sentences(raised.message, 1))
     if repo is not None and _is_path(repo):
         missing = (
             "does not exist"
             if match["kind"] is not None
             else "does not exist or holds no config.json"
         )
-        cause = f"The model path {repo} {missing} (vLLM: {quote})."
+        cause = f"The model path {repo} {missing} (vLLM: {said})."
         fix = (
             f"Set {variable} to a directory that holds the model's config.json and weights "
             "(e.g. on the network volume, /runpod-volume/...), or to a Hugging Face repo id "
@@ -308,7 +308,7 @@ def explain_model_not_found(
         )
         return cause, fix
     if match["no_config"] is not None:
-        cause = f"{repo or 'The model'} has no config.json, which vLLM needs (vLLM: {quote})."
+        cause = f"{repo or 'The model'} has no config.json, which vLLM needs (vLLM: {said})."
         fix = (
             f"Set {variable} to a repo or directory in Hugging Face format (config.json and "
             "safetensors weights), not e.g. a GGUF-only repo."
@@ -316,14 +316,14 @@ def explain_model_not_found(
         return cause, fix
     fix = f"Check {variable} (namespace/name, e.g. Qwen/Qwen3-0.6B, spelled as on huggingface.co)"
     if repo is not None and match["kind"] is not None:
-        return f"'{repo}' is not a valid Hugging Face repo id (vLLM: {quote}).", f"{fix}."
+        return f"'{repo}' is not a valid Hugging Face repo id (vLLM: {said}).", f"{fix}."
     tokenizer = context.command.tokenizer
     message = not_found_message(
         repo,
         variable,
         role="tokenizer" if tokenizer and repo == tokenizer else "model",
         token_set=context.launch.hub.token is not None,
-        evidence=f"vLLM: {quote}",
+        evidence=f"vLLM: {said}",
     )
     return message.cause, message.fix
 
@@ -340,7 +340,7 @@ def explain_gated(match: re.Match[str], raised: Raised, context: Context) -> tup
         "tokenizer" if tokenizer and repo == tokenizer else "model",
         variable=_repo_variable(repo, context),
         token_set=context.launch.hub.token is not None,
-        evidence=f"Hugging Face: {_quote(reason)}",
+        evidence=f"Hugging Face: {quote(reason)}",
     )
     return message.cause, message.fix
 
@@ -368,7 +368,7 @@ def explain_revision(match: re.Match[str], raised: Raised, context: Context) -> 
         repo,
         revision,
         variable=_variable(flag, context),
-        evidence=f"vLLM: {_quote(_sentences(raised.message, 1))}",
+        evidence=f"vLLM: {quote(_sentences(raised.message, 1))}",
     )
     return message.cause, message.fix
 
@@ -379,7 +379,7 @@ def explain_offline(match: re.Match[str], raised: Raised, context: Context) -> t
     name = repo or context.command.model or f"the model in {variable}"
     cause = (
         f"Downloads from Hugging Face are disabled (HF_HUB_OFFLINE) and {name} is not in the "
-        f"local cache (vLLM: {_quote(_sentences(raised.message, 1))})."
+        f"local cache (vLLM: {quote(_sentences(raised.message, 1))})."
     )
     fix = (
         f"Unset HF_HUB_OFFLINE so that vLLM can download it, or point {variable} to a local "
@@ -396,7 +396,7 @@ def explain_architecture(
         archs = ", ".join(re.findall(r"'([^']+)'", match["archs"])) or match["archs"]
         cause = f"This vLLM does not support the model's architecture {archs}."
     else:
-        cause = f"This vLLM cannot run the model: {_quote(_sentences(raised.message, 2))}"
+        cause = f"This vLLM cannot run the model: {quote(_sentences(raised.message, 2))}"
     fix = (
         f"Choose a model whose architecture vLLM supports in {variable} "
         "(https://docs.vllm.ai/en/latest/models/supported_models.html) or a worker image with a "
@@ -423,7 +423,7 @@ def explain_remote_code(
 
 def explain_disk_full(match: re.Match[str], raised: Raised, context: Context) -> tuple[str, str]:
     where = f"BASE_PATH={context.launch.base_path}"
-    cause = f"The disk is full: {_quote(_sentences(raised.message, 1))}"
+    cause = f"The disk is full: {quote(_sentences(raised.message, 1))}"
     fix = (
         "Give the worker more disk: a network volume large enough for the model (models are "
         f"cached under {where}) or a bigger container disk; or choose a smaller model."
@@ -435,7 +435,7 @@ def explain_model_requirement(
     match: re.Match[str], raised: Raised, context: Context
 ) -> tuple[str, str]:
     source = raised.frames[-1].path.rsplit("/", 1)[-1]
-    cause = f"The model's code in vLLM ({source}) rejects this setup: {_quote(raised.message)}"
+    cause = f"The model's code in vLLM ({source}) rejects this setup: {quote(raised.message)}"
     flags = _named_flags(raised, context, strict=True)
     named = "".join(f" ({_came_from(flag, context)})" for flag in flags)
     fix = (
