@@ -32,11 +32,6 @@ install_vllm() {
   fi
 }
 
-install_worker &
-worker_install=$!
-install_vllm || { wait "$worker_install" || true; exit 1; }
-wait "$worker_install" || exit 1
-
 # Packages of vLLM's extras the tests need and the CPU install lacks, installed into
 # .venv-vllm beside vLLM (never reinstalling it) unless the pinned version is already there.
 vllm_extra() {  # distribution version requirement why
@@ -47,16 +42,31 @@ vllm_extra() {  # distribution version requirement why
   fi
 }
 
-# The speech-to-text tests (a tiny Whisper) need vLLM to decode WAV uploads: vLLM 0.32 tries
-# torchcodec, then soundfile, then PyAV, and the CPU venv has none of them (install_vllm_cpu.sh
-# removes PyPI's torchcodec, a CUDA build). soundfile is part of vLLM's `audio` extra, which
-# the official image does not install, so it goes here and not into install_vllm_cpu.sh,
-# which also makes the stand-in of the official image for the image tests
-# (docs/speech-to-text.md says what a speech model needs in the image).
-vllm_extra soundfile 0.14.0 "soundfile==0.14.0" "speech-to-text tests"
+install_vllm_and_extras() {
+  install_vllm
+  # The speech-to-text tests (a tiny Whisper) need vLLM to decode WAV uploads: vLLM 0.32 tries
+  # torchcodec, then soundfile, then PyAV, and the CPU venv has none of them (install_vllm_cpu.sh
+  # removes PyPI's torchcodec, a CUDA build). soundfile is part of vLLM's `audio` extra, which
+  # the official image does not install, so it goes here and not into install_vllm_cpu.sh,
+  # which also makes the stand-in of the official image for the image tests
+  # (docs/speech-to-text.md says what a speech model needs in the image).
+  vllm_extra soundfile 0.14.0 "soundfile==0.14.0" "speech-to-text tests"
 
-# Models streamed from S3 (tests/test_e2e_object_store.py): the Run:ai Model Streamer and its S3
-# backend, vLLM's `runai` extra (S3 only: the tests' store is S3-compatible). Not in
-# install_vllm_cpu.sh either: the image tests check that the Dockerfile adds it to a base
-# image without it (docs/object-storage.md).
-vllm_extra runai-model-streamer-s3 0.17.1 "runai-model-streamer[s3]==0.17.1" "models from S3"
+  # Models streamed from S3 (tests/test_e2e_object_store.py): the Run:ai Model Streamer and its S3
+  # backend, vLLM's `runai` extra (S3 only: the tests' store is S3-compatible). Not in
+  # install_vllm_cpu.sh either: the image tests check that the Dockerfile adds it to a base
+  # image without it (docs/object-storage.md).
+  vllm_extra runai-model-streamer-s3 0.17.1 "runai-model-streamer[s3]==0.17.1" "models from S3"
+}
+
+case "${1:-}" in
+  --worker) install_worker ;;  # .venv alone (scripts/test.sh: the quick tier needs no more)
+  --vllm) install_vllm_and_extras ;;  # .venv-vllm alone
+  "")
+    install_worker &
+    worker_install=$!
+    install_vllm_and_extras || { wait "$worker_install" || true; exit 1; }
+    wait "$worker_install" || exit 1
+    ;;
+  *) echo "usage: scripts/setup.sh [--worker | --vllm]" >&2; exit 2 ;;
+esac

@@ -4,7 +4,10 @@
   fixture that starts a worker counts where it starts) and the time of every file, beside the
   launches of the CPU vLLM its workers logged (not those of a stand-in) and how many of them
   became healthy (the image's containers are not counted). ``scripts/test.sh``
-  also keeps each test's time in ``.test-results/junit.xml``.
+  also keeps each test's time in ``.test-results/*.xml``; for the whole suite it runs two
+  sessions (the quick tier beside the vLLM install, then the rest), each saving its times
+  (:data:`TIMES_VARIABLE`), and ends with the two tables over both (``python -m
+  tests.suite_report``).
 * At collection: a test that reaches the CPU vLLM (through the ``vllm_executable`` fixture,
   the only way the tests find it) must carry the ``vllm`` marker (or ``image``, whose tests
   build the tiny model with it), so that ``-m "not vllm and not image and not soak"`` needs
@@ -13,7 +16,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +27,11 @@ from pathlib import Path
 import pytest
 
 from tests.worker_process import WorkerProcess
+
+#: Where a session keeps its times for a report over several sessions (scripts/test.sh runs
+#: the quick tier beside the vLLM install, the rest after it: two sessions, one report).
+TIMES_VARIABLE = "WORKER_TEST_TIMES"
+
 
 #: Fixtures through which a test reaches a tier's slow part, and the markers of that tier.
 TIER_FIXTURES = {"vllm_executable": ("vllm", "image")}
@@ -67,7 +78,6 @@ def _file_of(nodeid: str) -> str:
 
 def real_vllm() -> str | None:
     """The CPU vLLM's executable, as a launch line names it (tests/conftest.py's)."""
-    import os
     import shutil
 
     root = Path(__file__).resolve().parents[1]
@@ -98,21 +108,64 @@ def file_times() -> dict[str, FileTime]:
     return files
 
 
+def report(tests: dict[str, float], files: dict[str, FileTime]) -> list[tuple[str, list[str]]]:
+    """The two tables, as sections of lines: the 20 slowest tests, the time of every file."""
+    slowest = sorted(tests.items(), key=lambda item: item[1], reverse=True)[:20]
+    table = [f"{'seconds':>8}  {'tests':>5}  {'vLLM launches':>13}  {'healthy':>7}  file"]
+    for name, entry in sorted(files.items(), key=lambda item: item[1].seconds, reverse=True):
+        table.append(f"{entry.seconds:8.1f}  {entry.tests:5d}  {entry.launches:13d}  "
+                     f"{entry.healthy:7d}  {name}")
+    table.append(f"{sum(e.seconds for e in files.values()):8.1f}  {len(tests):5d}  "
+                 f"{sum(e.launches for e in files.values()):13d}  "
+                 f"{sum(e.healthy for e in files.values()):7d}  (all)")
+    return [("the 20 slowest tests (setup + call + teardown)",
+             [f"{seconds:8.1f} s  {nodeid}" for nodeid, seconds in slowest]),
+            ("time per file", table)]
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _test_seconds:
         return
-    write = terminalreporter.write_line
-    terminalreporter.section("the 20 slowest tests (setup + call + teardown)")
-    slowest = sorted(_test_seconds.items(), key=lambda item: item[1], reverse=True)[:20]
-    for nodeid, seconds in slowest:
-        write(f"{seconds:8.1f} s  {nodeid}")
-    terminalreporter.section("time per file")
     files = file_times()
-    write(f"{'seconds':>8}  {'tests':>5}  {'vLLM launches':>13}  {'healthy':>7}  file")
-    for name, entry in sorted(files.items(), key=lambda item: item[1].seconds, reverse=True):
-        write(f"{entry.seconds:8.1f}  {entry.tests:5d}  {entry.launches:13d}  "
-              f"{entry.healthy:7d}  {name}")
-    total = sum(entry.seconds for entry in files.values())
-    launches = sum(entry.launches for entry in files.values())
-    healthy = sum(entry.healthy for entry in files.values())
-    write(f"{total:8.1f}  {len(_test_seconds):5d}  {launches:13d}  {healthy:7d}  (all)")
+    for title, lines in report(_test_seconds, files):
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)
+    if saved := os.environ.get(TIMES_VARIABLE):
+        save_times(Path(saved), _test_seconds, files)
+
+
+def save_times(path: Path, tests: dict[str, float], files: dict[str, FileTime]) -> None:
+    launches = {name: [entry.launches, entry.healthy] for name, entry in files.items()}
+    path.write_text(json.dumps({"tests": tests, "launches": launches}))
+
+
+def merge_times(paths: list[Path]) -> tuple[dict[str, float], dict[str, FileTime]]:
+    """The tests' times and the files' of several sessions' saved times, as one run's."""
+    tests: dict[str, float] = defaultdict(float)
+    files: dict[str, FileTime] = defaultdict(FileTime)
+    for path in paths:
+        saved = json.loads(path.read_text())
+        for nodeid, seconds in saved["tests"].items():
+            tests[nodeid] += seconds
+            entry = files[_file_of(nodeid)]
+            entry.seconds += seconds
+            entry.nodeids.add(nodeid)
+        for name, (launches, healthy) in saved["launches"].items():
+            files[name].launches += launches
+            files[name].healthy += healthy
+    for entry in files.values():
+        entry.tests = len(entry.nodeids)
+    return tests, files
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.suite_report TIMES.json...``: the two tables over the sessions."""
+    for title, lines in report(*merge_times([Path(arg) for arg in argv])):
+        print(f" {title} ".center(90, "="))
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
