@@ -5,8 +5,8 @@
   launches of the CPU vLLM its workers logged (not those of a stand-in) and how many of them
   became healthy (the image's containers are not counted). ``scripts/test.sh``
   also keeps each test's time in ``.test-results/*.xml``; for the whole suite it runs two
-  sessions (the quick tier beside the vLLM install, then the rest), each saving its times
-  (:data:`TIMES_VARIABLE`), and ends with the two tables over both (``python -m
+  sessions (the tests that need no vLLM beside the vLLM install, then the rest), each saving
+  its times (:data:`TIMES_VARIABLE`), and ends with the two tables over both (``python -m
   tests.suite_report``).
 * At collection: a test that reaches the CPU vLLM (through the ``vllm_executable`` fixture,
   the only way the tests find it) must carry the ``vllm`` marker (or ``image``, whose tests
@@ -29,7 +29,7 @@ import pytest
 from tests.worker_process import WorkerProcess
 
 #: Where a session keeps its times for a report over several sessions (scripts/test.sh runs
-#: the quick tier beside the vLLM install, the rest after it: two sessions, one report).
+#: the tests that need no vLLM beside the vLLM install, the rest after it: two sessions).
 TIMES_VARIABLE = "WORKER_TEST_TIMES"
 
 
@@ -47,10 +47,13 @@ _EXEC_HEALTHY = re.compile(r"Application startup complete")
 @dataclass
 class FileTime:
     seconds: float = 0.0
-    tests: int = 0
     launches: int = 0
     healthy: int = 0
     nodeids: set[str] = field(default_factory=set)
+
+    @property
+    def tests(self) -> int:
+        return len(self.nodeids)
 
 
 _test_seconds: dict[str, float] = defaultdict(float)
@@ -86,11 +89,7 @@ def real_vllm() -> str | None:
 
 def file_times() -> dict[str, FileTime]:
     """Each file's time and tests, and the vLLM launches of the workers its tests started."""
-    files: dict[str, FileTime] = defaultdict(FileTime)
-    for nodeid, seconds in _test_seconds.items():
-        entry = files[_file_of(nodeid)]
-        entry.seconds += seconds
-        entry.nodeids.add(nodeid)
+    files = _by_file(_test_seconds)
     real = real_vllm()
     for path, nodeid in WorkerProcess.started_by:
         if not path.exists() or not nodeid or real is None:
@@ -103,8 +102,16 @@ def file_times() -> dict[str, FileTime]:
         entry.launches += launches
         healthy = _EXEC_HEALTHY if "INFO worker: exec: " in log else _HEALTHY
         entry.healthy += len(healthy.findall(log))
-    for entry in files.values():
-        entry.tests = len(entry.nodeids)
+    return files
+
+
+def _by_file(tests: dict[str, float]) -> dict[str, FileTime]:
+    """The tests' times gathered by file."""
+    files: dict[str, FileTime] = defaultdict(FileTime)
+    for nodeid, seconds in tests.items():
+        entry = files[_file_of(nodeid)]
+        entry.seconds += seconds
+        entry.nodeids.add(nodeid)
     return files
 
 
@@ -143,19 +150,17 @@ def save_times(path: Path, tests: dict[str, float], files: dict[str, FileTime]) 
 def merge_times(paths: list[Path]) -> tuple[dict[str, float], dict[str, FileTime]]:
     """The tests' times and the files' of several sessions' saved times, as one run's."""
     tests: dict[str, float] = defaultdict(float)
-    files: dict[str, FileTime] = defaultdict(FileTime)
+    launches: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for path in paths:
         saved = json.loads(path.read_text())
         for nodeid, seconds in saved["tests"].items():
             tests[nodeid] += seconds
-            entry = files[_file_of(nodeid)]
-            entry.seconds += seconds
-            entry.nodeids.add(nodeid)
-        for name, (launches, healthy) in saved["launches"].items():
-            files[name].launches += launches
-            files[name].healthy += healthy
-    for entry in files.values():
-        entry.tests = len(entry.nodeids)
+        for name, counts in saved["launches"].items():
+            launches[name] = [a + b for a, b in zip(launches[name], counts, strict=True)]
+    files = _by_file(tests)
+    for name, (launched, healthy) in launches.items():
+        files[name].launches += launched
+        files[name].healthy += healthy
     return tests, files
 
 
