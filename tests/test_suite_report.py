@@ -1,6 +1,6 @@
 """The report that ends the whole suite (tests/suite_report.py): scripts/test.sh runs it as two
-sessions (the quick tier beside the vLLM install, then the rest) and prints the two tables over
-both, from the times each session saved."""
+sessions (the tests that need no vLLM beside the vLLM install, then the rest) and prints the
+two tables over both, from the times each session saved."""
 
 from __future__ import annotations
 
