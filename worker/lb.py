@@ -39,6 +39,7 @@ from aiohttp import web
 from worker.config.resolved import PROXY_IDLE_SECONDS
 from worker.config.settings import Settings
 from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
+from worker.jobs.loopwatch import watching
 from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker.lb")
@@ -114,7 +115,9 @@ class LoadBalancerWorker:
             start.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await start
-        await done_waiter
+        serving = self.state is State.READY
+        with watching(self.settings.loop_stall_warning if serving else 0):
+            await done_waiter
         if self.state is State.STOPPING:
             logger.info("draining %d request(s) for up to %.0f s",
                         self._in_flight, self.settings.drain_timeout)

@@ -29,6 +29,7 @@ from worker.config.settings import Settings
 from worker.errors import PrestartFailed, WorkerError
 from worker.jobs.handler import BackendFailureProbe, Proxy
 from worker.jobs.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
+from worker.jobs.loopwatch import watching
 from worker.jobs.stats import StatsOptions
 from worker.model.adapters import adapter_sources
 from worker.start.startup import StartOutcome, Startup
@@ -223,7 +224,8 @@ class QueueWorker:
             summary += f", {1000 * (started - outcome.healthy_at):.0f} ms after vLLM was healthy"
         logger.info("%s", summary)
         try:
-            await jobs.run()
+            with watching(self.settings.loop_stall_warning if proxy is not None else 0):
+                await jobs.run()
         finally:
             if proxy is not None:
                 await proxy.aclose()

@@ -219,6 +219,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Free space (GiB) the volume needs for vLLM's cache to go there; set "
             "VLLM_CACHE_ROOT yourself to choose another place.",
             zero="puts the cache on the volume whenever it is writable"),
+    Setting("WORKER_LOOP_STALL_WARNING", "loop_stall_warning", 0.1, _non_negative_float,
+            "Seconds the worker's event loop may go without turning, while it serves, before a "
+            "warning says what held it (its own work, or a CPU taken by other processes) and "
+            "where; at most one line every 10 s.",
+            zero="turns the watch off"),
     Setting("WORKER_LOG_LEVEL", "log_level", "INFO", _log_level,
             "Level of the worker's own log lines (DEBUG, INFO, WARNING, ERROR)."),
     Setting("VLLM_CONFIG_FILE", None, "", _text,
@@ -284,6 +289,7 @@ class Settings:
     progress_interval: float = 10.0
     base_path: str = "/runpod-volume"
     volume_cache_min_free_gib: float = 1.0
+    loop_stall_warning: float = 0.1
     log_level: str = "INFO"
     mode: str = ""
     stats_file: str = ""
