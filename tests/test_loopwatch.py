@@ -60,7 +60,7 @@ def _hold_until_seen(watch: LoopWatch, spin: bool) -> None:
             time.sleep(0.005)
 
 
-async def _held_once(spin: bool) -> tuple[list[str], int]:
+async def _held_twice(spin: bool) -> tuple[list[str], int]:
     lines: list[str] = []
     with watching(THRESHOLD, report=lines.append, report_every=3600) as watch:
         assert watch is not None
@@ -72,22 +72,24 @@ async def _held_once(spin: bool) -> tuple[list[str], int]:
             while watch.stalls < held:  # noqa: ASYNC110 - a count the loop's callback keeps
                 await asyncio.sleep(THRESHOLD / 4)
         stalls = watch.stalls
-    return lines, stalls
+        assert len(lines) == 1, lines  # the second is only counted ...
+    return lines, stalls  # ... until the watch stops
 
 
 def test_a_loop_held_in_a_blocking_call_is_reported_with_the_call() -> None:
-    lines, stalls = asyncio.run(_held_once(spin=False))
+    lines, stalls = asyncio.run(_held_twice(spin=False))
     assert stalls == 2
-    [line] = lines
+    line, more = lines
     # The loop's thread slept: no CPU to speak of, and the watch saw where.
     assert "did not turn for" in line and "waited in a blocking call, or for a CPU" in line, line
     assert "test_loopwatch.py" in line and "_hold_until_seen" in line, line
     assert "time.sleep" not in line  # a C function has no frame: the caller is named
+    assert more.startswith("the event loop: 1 more stall(s) since the last line"), more
 
 
 def test_a_loop_held_by_its_own_work_names_the_code() -> None:
-    lines, _ = asyncio.run(_held_once(spin=True))
-    [line] = lines
+    lines, _ = asyncio.run(_held_twice(spin=True))
+    line = lines[0]
     # Whether the spin got the CPU depends on the machine; where it was does not.
     assert "_hold_until_seen" in line and "test_loopwatch.py" in line, line
 

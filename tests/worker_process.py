@@ -37,6 +37,9 @@ def wait_until(done: Callable[[], bool], never: str, timeout: float = 120.0,
         time.sleep(poll)
 
 
+#: The watch's line for a loop that did not turn while its thread hardly ran.
+STALL_LINE = re.compile(r"the event loop did not turn for (\d+) ms, and its thread used (\d+) ms")
+
 _ERROR_LINE = re.compile(r"(?:^|[\s\]])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception):")
 
 
@@ -95,6 +98,31 @@ class WorkerProcess:
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
+
+    def held_until_a_stall_is_logged(self) -> tuple[int, int, str]:
+        """Hold the worker with SIGSTOP, 0.5 s at a time, until its event loop's watch
+        (worker/jobs/loopwatch.py) logs a stall after the first hold; the stall's milliseconds,
+        its thread's CPU milliseconds and its line.
+
+        The process, its loop and the watch's thread alike, is stopped: when it goes on, its
+        loop ran at least 0.4 s late. The watch logs at most one line every 10 s (a stall the
+        machine caused just before may have had one), hence the holds until a line comes.
+        """
+        before = len(STALL_LINE.findall(self.log()))
+
+        def held_and_logged() -> bool:
+            os.kill(self.pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.5)
+            finally:
+                os.kill(self.pid, signal.SIGCONT)
+            return len(STALL_LINE.findall(self.log())) > before
+
+        wait_until(held_and_logged, "no stall of the worker's event loop was logged",
+                   timeout=120, poll=0.5)
+        lines = [line for line in self.log().splitlines() if STALL_LINE.search(line)]
+        held, cpu = STALL_LINE.findall(lines[before])[0]
+        return int(held), int(cpu), lines[before]
 
     def vllm_pids(self) -> list[int]:
         """Every vLLM main process this worker reported starting (one per launch)."""

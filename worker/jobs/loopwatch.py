@@ -16,7 +16,8 @@ loop turns again, the callback measures how late it ran and logs that with the s
 watch's thread never got to look, the interpreter was not running at all: the process had no
 CPU, or one call held the interpreter's lock throughout (:func:`describe` says which).
 At most one line every ``report_every`` seconds; the stalls between two lines are counted in
-the next. Cost: 20 callbacks and 20 wake-ups of the thread a second at the default 0.1 s.
+the next, or in a line of their own when the watch stops. Cost: 20 callbacks and 20 wake-ups
+of the thread a second at the default 0.1 s.
 """
 
 from __future__ import annotations
@@ -85,9 +86,14 @@ def describe(stall: Stall, before: Unreported = Unreported()) -> str:
                 "thread did not run either)")
     text += "; the streams in flight waited as long"
     if before.count:
-        text += (f" ({before.count} more stall(s) since the last line, not logged one by one; "
-                 f"the longest {1000 * before.longest:.0f} ms)")
+        text += f" ({more_stalls(before)})"
     return text
+
+
+def more_stalls(unreported: Unreported) -> str:
+    """The stalls that had no line of their own (pure)."""
+    return (f"{unreported.count} more stall(s) since the last line, not logged one by one; "
+            f"the longest {1000 * unreported.longest:.0f} ms")
 
 
 def where(frame: FrameType | None) -> str:
@@ -155,9 +161,13 @@ class LoopWatch:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching; the stalls not logged yet get their line now."""
         self._stop.set()
         if self._timer is not None:
             self._timer.cancel()
+        if self._unreported.count:
+            self._report(f"the event loop: {more_stalls(self._unreported)}")
+            self._unreported = Unreported()
 
     def _take_note(self, number: int) -> tuple[int, float, float]:
         """(the note's number, when the next callback is due, the thread's CPU clock)."""
