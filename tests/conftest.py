@@ -125,6 +125,7 @@ def load_script(path: Path, extra_path: Path | None = None) -> ModuleType:
     spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look it up there
     if extra_path is not None:
         sys.path.insert(0, str(extra_path))
     try:

@@ -31,6 +31,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,6 +42,7 @@ from tests.fake_openai import expected_stream
 from tests.fake_vllm import free_port, launch_worker
 from tests.serving import Serving
 from tests.worker_process import WorkerProcess, wait_until
+from worker.jobs.timeline import MARKS
 
 MODEL = "fake-org/fake-model"
 CONCURRENCY = 64
@@ -54,7 +56,12 @@ class FakeServing:
     api: FakeJobApi
     worker: WorkerProcess
     vllm_url: str  # the fake vLLM's
+    timeline: Path  # WORKER_TIMELINE_FILE: a line per job
     baseline: int = 0  # POSTs the SDK had dropped when the current test began
+
+    def timelines(self) -> dict[str, dict[str, Any]]:
+        lines = self.timeline.read_text().splitlines()
+        return {line["job"]: line for line in map(json.loads, lines)}
 
     def dropped_posts(self) -> int:
         """POSTs the SDK gave up on so far (it logs each one)."""
@@ -86,9 +93,11 @@ def fake_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServi
     with FakeJobApi() as api:
         port = free_port()
         api.health_url = f"http://127.0.0.1:{port}/health"  # checked at the first job-take
-        worker = launch_worker(api.env(), tmp, model=MODEL, concurrency=CONCURRENCY, port=port)
+        timeline = tmp / "timeline.jsonl"
+        worker = launch_worker(api.env(), tmp, model=MODEL, concurrency=CONCURRENCY, port=port,
+                               extra_env={"WORKER_TIMELINE_FILE": str(timeline)})
         try:
-            yield FakeServing(api, worker, f"http://127.0.0.1:{port}")
+            yield FakeServing(api, worker, f"http://127.0.0.1:{port}", timeline)
         finally:
             worker.kill()
     assert api.health_violations == []
@@ -216,6 +225,28 @@ def test_beyond_the_sdk_retries_a_stream_post_is_lost_but_the_aggregate_is_whole
     assert "".join(aggregate).encode() == expected_stream(40, MODEL)
     assert record.outputs == aggregate[1:]  # exactly the first yield is missing
     assert serving.dropped_posts() == serving.baseline + 1
+
+
+def test_each_jobs_timeline_is_in_the_order_the_job_api_saw(serving: FakeServing) -> None:
+    # WORKER_TIMELINE_FILE: one line per job, on the clock every process of the machine
+    # shares (time.monotonic), so the worker's marks fall between what the job API saw:
+    # the hand-out before the take, the first stream POST between vLLM's first event and the
+    # worker's first_posted (the job API records a POST before it answers), job-done before
+    # the end. A job refused before vLLM was asked has only its take and its end.
+    streamed, refused = serving.submit_all([stream_job(30, delay=0.01), {"openai_route": 7}])
+    records = serving.wait_all([streamed, refused])
+    assert_byte_exact(records[0], 30)
+    assert records[1].error is not None
+    wait_until(lambda: {streamed, refused} <= serving.timelines().keys(),
+               "the worker never wrote the two jobs' timelines")
+    line, api = serving.timelines()[streamed], records[0]
+    marks = [line[name] for name in MARKS]
+    assert marks == sorted(marks), line
+    assert api.taken_at is not None and api.done_at is not None
+    assert api.taken_at <= line["taken"], (api.taken_at, line)
+    assert line["first_event"] <= api.stream_times[0] <= line["first_posted"], (api, line)
+    assert api.done_at <= line["ended"], (api.done_at, line)
+    assert set(serving.timelines()[refused]) == {"job", "taken", "ended"}
 
 
 def test_a_held_event_loop_is_logged_with_what_held_it(serving: FakeServing) -> None:

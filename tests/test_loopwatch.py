@@ -14,8 +14,9 @@ import time
 
 import pytest
 
+from tests.conftest import ROOT, load_script
 from worker.config.settings import Settings
-from worker.jobs.loopwatch import LoopWatch, Stall, Unreported, describe, watching
+from worker.jobs.loopwatch import LoopWatch, Stall, Unreported, describe, more_stalls, watching
 
 THRESHOLD = 0.05
 
@@ -106,3 +107,15 @@ def test_the_threshold_is_a_setting() -> None:
     assert Settings.from_env({}).loop_stall_warning == 0.1
     assert Settings.from_env({"WORKER_LOOP_STALL_WARNING": "0.5"}).loop_stall_warning == 0.5
     assert Settings.from_env({"WORKER_LOOP_STALL_WARNING": "0"}).loop_stall_warning == 0
+
+
+def test_the_queue_benchmark_reads_the_watchs_own_words() -> None:
+    """scripts/bench_queue.py counts the stalls from the worker's log: its reading of the
+    lines :func:`describe` and the stop's summary write."""
+    bench = load_script(ROOT / "scripts" / "bench_queue.py")
+    lines = [describe(Stall(0.3, 0.01, 0.35, "")),
+             describe(Stall(0.2, 0.19, 0.25, "jobs/relay.py:78 _read"), Unreported(3, 0.9)),
+             "the event loop: " + more_stalls(Unreported(2, 0.15))]
+    log = "\n".join(f"2026-12-06 02:00:00,000 WARNING worker.loop: {line}" for line in lines)
+    assert bench.loop_stalls(log + "\nINFO worker: taking jobs") == {
+        "count": 2 + 3 + 2, "longest_ms": 900, "lines": 2, "cpu_lines": 1}

@@ -27,6 +27,8 @@ NUMBERS = [s for s in SETTINGS if s.numeric]
 
 #: The test that shows what 0 does, for every number that takes it.
 ZERO_SHOWN_BY: dict[str, str] = {
+    "WORKER_LOOP_STALL_WARNING":
+        "tests/test_loopwatch.py::test_a_threshold_of_zero_watches_nothing",
     "DEFAULT_MAX_BATCH_DELAY":
         "tests/test_handler.py::test_without_a_delay_a_slow_stream_waits_for_full_batches",
     "REQUEST_TIMEOUT": "tests/test_settings.py::test_request_timeout_0_waits_for_a_slow_vllm",
@@ -106,7 +108,7 @@ def test_unset_defaults_are_said_in_words() -> None:
 def test_what_an_endpoint_leaves_alone_is_internal() -> None:
     assert {s.env for s in SETTINGS if s.internal} == {
         "VLLM_EXECUTABLE", "VLLM_BASE_URL", "WORKER_STATS_FILE", "WORKER_STATS_INTERVAL",
-        "BAKED_MODEL_FILE", "VLLM_FLAG_CATALOG"}
+        "WORKER_TIMELINE_FILE", "BAKED_MODEL_FILE", "VLLM_FLAG_CATALOG"}
     # The table lists what an endpoint sets first, the internals after.
     kinds = [s.internal for s in SETTINGS]
     assert kinds == sorted(kinds)

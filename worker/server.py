@@ -194,7 +194,8 @@ class QueueWorker:
         loop = asyncio.get_running_loop()
         proxy = self._proxy(outcome)
         handler = self._handler(outcome, proxy)
-        stats = StatsOptions(self.settings.stats_file, self.settings.stats_interval)
+        stats = StatsOptions(self.settings.stats_file, self.settings.stats_interval,
+                             self.settings.timeline_file)
         jobs = self._job_loop_factory(self._noting_first_job(handler),
                                       self.settings.max_concurrency, stats)
         self._jobs = jobs

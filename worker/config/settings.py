@@ -257,6 +257,11 @@ SETTINGS: tuple[Setting, ...] = (
             shown_default="off", internal=True),
     Setting("WORKER_STATS_INTERVAL", "stats_interval", 1.0, _positive_float,
             "Seconds between two lines of WORKER_STATS_FILE.", internal=True),
+    Setting("WORKER_TIMELINE_FILE", "timeline_file", "", _text,
+            "A file the job loop appends one JSON line to per job: when it was taken, its "
+            "request sent to vLLM, vLLM's first event, its first yield posted, its end "
+            "(for scripts/bench_queue.py).",
+            shown_default="off", internal=True),
 )
 
 WORKER_SETTING_NAMES: frozenset[str] = frozenset(s.env for s in SETTINGS)
@@ -294,6 +299,7 @@ class Settings:
     mode: str = ""
     stats_file: str = ""
     stats_interval: float = 1.0
+    timeline_file: str = ""
     flag_catalog: str = ""
     baked_model_file: str = "/local_model_args.json"
     queue: bool = False

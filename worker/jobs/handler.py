@@ -38,6 +38,7 @@ from worker.errors import (
     VllmError,
     WorkerError,
 )
+from worker.jobs import timeline
 from worker.jobs.forms import httpx_parts
 from worker.jobs.relay import SseRelay
 from worker.jobs.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input, sent_model
@@ -228,6 +229,7 @@ class Proxy:
             request = await self._with_default_model(request)
             async for item in self._forward(request):
                 yield item
+                timeline.mark("first_posted")  # the SDK posts a yield before the next
         except WorkerError as exc:
             failure = exc
         if failure is not None:
@@ -276,7 +278,9 @@ class Proxy:
             httpx.URL(self._base_url + request.route),
             **_body(request),
         )
+        timeline.mark("sent")
         response = await self._send(outgoing)
+        timeline.mark("answered")
         try:
             if response.status_code >= 400:
                 await self._read(response)
@@ -284,6 +288,7 @@ class Proxy:
             content_type = response.headers.get("content-type", "")
             if not (request.stream and content_type.startswith("text/event-stream")):
                 await self._read(response)
+                timeline.mark("first_event")
                 yield _decoded_body(response)
                 return
             relay = SseRelay(response)

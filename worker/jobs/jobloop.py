@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import IO, Any
 
-from worker.jobs import stats
+from worker.jobs import stats, timeline
 from worker.jobs.jobapi import job_api_session
 
 logger = logging.getLogger("worker.jobloop")
@@ -62,6 +62,7 @@ class JobLoop:
         #: Set when a job ends: a take that waits for a free slot goes on at once.
         self._slot_freed = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()
+        self._timelines: IO[str] | None = None  # each job's line (off: None)
 
     def _concurrency_modifier(self, _current: int) -> int:
         return self._concurrency
@@ -90,7 +91,7 @@ class JobLoop:
         scaler = self._scaler
         async with job_api_session() as session, stats.reporting(
             self._stats, lambda: self.jobs_in_flight
-        ):
+        ), self._timelines_written():
             take = asyncio.create_task(self._take_jobs(session), name="runpod-job-take")
             stops = asyncio.create_task(
                 scaler.monitor_stop_signals(session), name="runpod-job-stop"
@@ -148,10 +149,31 @@ class JobLoop:
         scaler.jobs_queue.put_nowait(job)
         scaler.job_progress.add(job)
         scaler.jobs_queue.get_nowait()
-        task = asyncio.create_task(scaler.handle_job(session, job), name="runpod-job")
+        context, line = None, None
+        if self._timelines is not None:
+            context, line = timeline.context_for(job["id"])
+        task = asyncio.create_task(scaler.handle_job(session, job), name="runpod-job",
+                                   context=context)
         scaler.jobs_tasks[job["id"]] = task
         self._running.add(task)
         task.add_done_callback(self._ended)
+        if line is not None and (out := self._timelines) is not None:
+            task.add_done_callback(lambda _: timeline.write(out, line))
+
+    @contextlib.asynccontextmanager
+    async def _timelines_written(self) -> AsyncIterator[None]:
+        """Each job's timeline line while the block runs, when the options name a file."""
+        path = self._stats.timeline.strip()
+        if not path:
+            yield
+            return
+        with open(path, "a", encoding="utf-8") as out:  # noqa: ASYNC230 - once, at start
+            logger.info("writing each job's timeline to %s", path)
+            self._timelines = out
+            try:
+                yield
+            finally:
+                self._timelines = None
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from worker.jobs import timeline
 from worker.jobs.routing import BatchPolicy
 
 logger = logging.getLogger("worker.handler")
@@ -77,6 +78,7 @@ class SseRelay:
             await self._response.aclose()
 
     def _add(self, text: str, events: int) -> None:
+        timeline.mark("first_event")  # the reader runs in a copy of the job task's context
         if not self._pending_events:
             self._first_pending_at = self._loop.time()
         self._pending.append(text)

@@ -39,10 +39,12 @@ logger = logging.getLogger("worker.stats")
 
 @dataclass(frozen=True)
 class StatsOptions:
-    """Where the stats lines go (``""``: nowhere) and how often."""
+    """Where the stats lines go (``""``: nowhere) and how often; where each job's timeline
+    goes (:mod:`worker.jobs.timeline`, ``""``: nowhere)."""
 
     path: str = ""
     interval: float = 1.0
+    timeline: str = ""
 
 
 def snapshot(jobs_in_flight: int) -> dict[str, Any]:
