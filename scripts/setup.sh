@@ -60,7 +60,7 @@ install_vllm_and_extras() {
 }
 
 case "${1:-}" in
-  --worker) install_worker ;;  # .venv alone (scripts/test.sh: the quick tier needs no more)
+  --worker) install_worker ;;  # .venv alone (scripts/test.sh: its first session needs no more)
   --vllm) install_vllm_and_extras ;;  # .venv-vllm alone
   "")
     install_worker &

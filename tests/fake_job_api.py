@@ -378,14 +378,16 @@ class FakeJobApi:
         if self.on_post is not None:
             self.on_post(kind, job_id, body)
 
-    def _set_busy(self, conn: socket.socket, busy: bool | None) -> None:
-        """Track open connections (None: closed) so that a restart can close the idle ones."""
+    def _set_idle(self, conn: socket.socket) -> None:
+        """Track open connections, idle or busy (``_begin_request``), so that a restart can
+        close the idle ones."""
         with self._cond:
-            if busy is None:
-                self._connections.pop(conn, None)
-                self._dropped.discard(conn)
-            else:
-                self._connections[conn] = busy
+            self._connections[conn] = False
+
+    def _set_closed(self, conn: socket.socket) -> None:
+        with self._cond:
+            self._connections.pop(conn, None)
+            self._dropped.discard(conn)
 
     def _begin_request(self, conn: socket.socket) -> bool:
         """Mark ``conn`` busy for the request just read from it; False when a restart had
@@ -412,10 +414,10 @@ class FakeJobApi:
 
             def setup(self) -> None:
                 super().setup()
-                api._set_busy(self.connection, False)
+                api._set_idle(self.connection)
 
             def finish(self) -> None:
-                api._set_busy(self.connection, None)
+                api._set_closed(self.connection)
                 with contextlib.suppress(OSError):
                     super().finish()
 
@@ -441,7 +443,7 @@ class FakeJobApi:
                 except OSError:
                     self.close_connection = True
                     return False
-                api._set_busy(self.connection, False)
+                api._set_idle(self.connection)
                 return True
 
             def _reset(self) -> None:
