@@ -124,13 +124,14 @@ def bench_serve(vllm: str, env: dict[str, str], args: argparse.Namespace, *, bas
 #: A job's first token, stage by stage: (name, from, to), each mark a time on the clock every
 #: process of the machine shares: the job API's hand-out ("api_taken") and its receipt of the
 #: first stream POST ("api_posted"), the worker's timeline (worker/jobs/timeline.py) between.
+#: Each is (the key of its figures, its name in the table, from, to).
 STAGES = (
-    ("hand-out -> the worker's take", "api_taken", "taken"),
-    ("take -> request sent to vLLM", "taken", "sent"),
-    ("sent -> vLLM's first event (vLLM's own)", "sent", "first_event"),
-    ("first event -> first POST received", "first_event", "api_posted"),
+    ("stage_handout", "hand-out -> the worker's take", "api_taken", "taken"),
+    ("stage_start", "take -> request sent to vLLM", "taken", "sent"),
+    ("stage_vllm", "sent -> vLLM's first event (vLLM's own)", "sent", "first_event"),
+    ("stage_post", "first event -> first POST received", "first_event", "api_posted"),
 )
-SHARE = "worker's share"
+SHARE = "worker_share"
 
 
 def queue_view(records: list[JobRecord], timelines: dict[str, dict[str, float]],
@@ -139,7 +140,7 @@ def queue_view(records: list[JobRecord], timelines: dict[str, dict[str, float]],
     POST minus vLLM's own time to the first event) and its stream POSTs, into ``run``; what
     went wrong."""
     wrong = []
-    run.stages = {name: [] for name, _, _ in (*STAGES, (SHARE, "", ""))}
+    run.stages = {key: [] for key in (*(stage[0] for stage in STAGES), SHARE)}
     for record in records:
         line = timelines.get(record.id, {})
         if (record.error is not None or record.taken_at is None or not record.stream_times
@@ -150,8 +151,8 @@ def queue_view(records: list[JobRecord], timelines: dict[str, dict[str, float]],
         wait = 1000 * (marks["api_posted"] - marks["api_taken"])
         run.take_to_post_ms.append(wait)
         run.posts.append(len(record.stream))
-        for name, start, end in STAGES:
-            run.stages[name].append(1000 * (marks[end] - marks[start]))
+        for key, _, start, end in STAGES:
+            run.stages[key].append(1000 * (marks[end] - marks[start]))
         run.stages[SHARE].append(wait - 1000 * (marks["first_event"] - marks["sent"]))
     return wrong
 
@@ -231,24 +232,13 @@ def summary(pairs: list[Pair]) -> dict[str, float]:
                                                - figures["vllm_ttft_p90_ms"])
         # Per job, then its percentiles: each stage, and the worker's share (the request's
         # take -> first POST minus vLLM's own time to that request's first event).
-        for name, _, _ in (*STAGES, (SHARE, "", "")):
-            key = stage_key(name)
+        for key in (*(stage[0] for stage in STAGES), SHARE):
             for label, q in (("p50", 0.5), ("p90", 0.9)):
                 figures[f"{key}_{label}_ms"] = median_of(
-                    pairs, lambda p, name=name, q=q: percentile(  # type: ignore[misc]
-                        p.relayed.stages[name], q))
-            figures[f"{key}_max_ms"] = max(max(p.relayed.stages[name]) for p in pairs)
+                    pairs, lambda p, key=key, q=q: percentile(  # type: ignore[misc]
+                        p.relayed.stages[key], q))
+            figures[f"{key}_max_ms"] = max(max(p.relayed.stages[key]) for p in pairs)
     return figures
-
-
-def stage_key(name: str) -> str:
-    """A stage's name as a key of the JSON figures."""
-    return SHARE_KEY if name == SHARE else "stage_" + "_".join(
-        word for word in name.replace("'", "").replace("(", "").replace(")", "").split()
-        if word != "->")
-
-
-SHARE_KEY = "worker_share"
 
 
 def verdict(met: bool) -> str:
@@ -283,11 +273,11 @@ def print_table(title: str, figures: dict[str, float], rounds: int) -> None:
                  ("  minus the client's TTFT straight to vLLM", "",
                   f"{f['share_vs_straight_p50_ms']:.0f} / {f['share_vs_straight_p90_ms']:.0f}",
                   "(same percentile)")]
-        rows += [(f"  {name} p50 / p90", "" if "vLLM's own" not in name else
-                  f"{f[stage_key(name) + '_p50_ms']:.0f} / {f[stage_key(name) + '_p90_ms']:.0f}",
-                  "" if "vLLM's own" in name else
-                  f"{f[stage_key(name) + '_p50_ms']:.0f} / {f[stage_key(name) + '_p90_ms']:.0f}",
-                  f"max {f[stage_key(name) + '_max_ms']:.0f}") for name, _, _ in STAGES]
+        for key, name, _, _ in STAGES:
+            both = f"{f[key + '_p50_ms']:.0f} / {f[key + '_p90_ms']:.0f}"
+            vllm_own = key == "stage_vllm"  # in vLLM's column
+            rows.append((f"  {name} p50 / p90", both if vllm_own else "",
+                         "" if vllm_own else both, f"max {f[key + '_max_ms']:.0f}"))
         rows += [("worker's share p50 / p90 (ms; per job)", "",
                   f"{f['worker_share_p50_ms']:.0f} / {f['worker_share_p90_ms']:.0f}",
                   f"<= {GOAL_SHARE_P50_MS:.0f} / {GOAL_SHARE_P90_MS:.0f}: " + verdict(

@@ -149,15 +149,14 @@ class JobLoop:
         scaler.jobs_queue.put_nowait(job)
         scaler.job_progress.add(job)
         scaler.jobs_queue.get_nowait()
-        context, line = None, None
-        if self._timelines is not None:
-            context, line = timeline.context_for(job["id"])
+        out = self._timelines
+        context, line = timeline.context_for(job["id"]) if out is not None else (None, None)
         task = asyncio.create_task(scaler.handle_job(session, job), name="runpod-job",
                                    context=context)
         scaler.jobs_tasks[job["id"]] = task
         self._running.add(task)
         task.add_done_callback(self._ended)
-        if line is not None and (out := self._timelines) is not None:
+        if out is not None and line is not None:
             task.add_done_callback(lambda _: timeline.write(out, line))
 
     @contextlib.asynccontextmanager

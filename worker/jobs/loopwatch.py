@@ -10,11 +10,12 @@ two things held it, from what the loop's thread did meanwhile (:func:`describe`)
   machine had them) or the thread waited in a blocking call, at the place named.
 
 How: a callback on the loop, every half threshold, notes when it ran and its thread's CPU
-clock; a daemon thread looks every half threshold too and, once the callback is overdue, takes
-the loop thread's stack (``sys._current_frames``): a held loop cannot look at itself. When the
-loop turns again, the callback measures how late it ran and logs that with the stack. When the
-watch's thread never got to look, the interpreter was not running at all: the process had no
-CPU, or one call held the interpreter's lock throughout (:func:`describe` says which).
+clock; a daemon thread looks every half threshold too and, once the callback is a quarter
+threshold overdue, takes the loop thread's stack (``sys._current_frames``): a held loop cannot
+look at itself. When the loop turns again, the callback measures how late it ran and logs that
+with the stack. When the watch's thread never got to look, the interpreter was not running at
+all: the process had no CPU, or one call held the interpreter's lock throughout
+(:func:`describe` says which).
 At most one line every ``report_every`` seconds; the stalls between two lines are counted in
 the next, or in a line of their own when the watch stops. Cost: 20 callbacks and 20 wake-ups
 of the thread a second at the default 0.1 s.
@@ -121,14 +122,12 @@ class LoopWatch:
         *,
         report: Callable[[str], None] = logger.warning,
         report_every: float = 10.0,
-        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         self._loop = loop
         self.threshold = threshold
         self._interval = threshold / 2
         self._report = report
         self._report_every = report_every
-        self._cpu_clock = cpu_clock
         self._loop_thread = threading.get_ident()
         # Written by the loop's callback, read by the watch's thread (one object each time:
         # a reader sees either the old note or the new one, whole).
@@ -171,7 +170,7 @@ class LoopWatch:
 
     def _take_note(self, number: int) -> tuple[int, float, float]:
         """(the note's number, when the next callback is due, the thread's CPU clock)."""
-        return number, self._loop.time() + self._interval, self._cpu_clock()
+        return number, self._loop.time() + self._interval, time.thread_time()
 
     def _beat(self) -> None:
         number, due, cpu = self._note
@@ -180,7 +179,7 @@ class LoopWatch:
             sample = self._sample
             seen = sample[1] if sample is not None and sample[0] == number else ""
             window = late + self._interval
-            self._stalled(Stall(late, self._cpu_clock() - cpu, window, seen))
+            self._stalled(Stall(late, time.thread_time() - cpu, window, seen))
         self._note = self._take_note(number + 1)
         self._timer = self._loop.call_at(self._note[1], self._beat)
 
@@ -197,7 +196,9 @@ class LoopWatch:
         """The watch's thread: once a callback is overdue, take the loop thread's stack."""
         while not self._stop.wait(self._interval):
             number, due, _ = self._note
-            if self._loop.time() - due < self._interval or self.sampled:
+            # Overdue by a quarter of the threshold: a stall over the threshold is overdue
+            # for longer than this thread's period, so it looks at least once while running.
+            if self._loop.time() - due < self._interval / 2 or self.sampled:
                 continue  # the loop turns, or this stall's stack is taken
             frame = sys._current_frames().get(self._loop_thread)
             self._sample = (number, where(frame))
