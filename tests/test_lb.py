@@ -114,7 +114,7 @@ def test_a_stream_is_relayed_as_it_comes(start_lb: StartLb) -> None:
     assert received == expected_stream(10, "none")
     # The watch on the event loop runs in lb mode too (tests/test_load.py has the queue's).
     stalled, cpu, line = lb.worker.held_until_a_stall_is_logged()
-    assert stalled >= 400 and cpu < stalled / 2 and "WARNING worker.loop" in line, line
+    assert cpu < stalled / 2 and "WARNING worker.loop" in line, line
 
 
 def test_a_configuration_error_is_every_requests_answer(start_lb: StartLb) -> None:

@@ -254,7 +254,7 @@ def test_a_held_event_loop_is_logged_with_what_held_it(serving: FakeServing) -> 
     # (WORKER_LOOP_STALL_WARNING, 0.1 s by default) logs that the loop did not turn while its
     # thread used no CPU. A stopped process neither runs nor has its CPU clock advance.
     held, cpu, line = serving.worker.held_until_a_stall_is_logged()
-    assert held >= 400 and cpu < held / 2, (held, cpu)
+    assert cpu < held / 2, (held, cpu)  # the stopped process used no CPU
     assert "WARNING worker.loop" in line and "for a CPU" in line, line
     assert line.endswith("the streams in flight waited as long") or "more stall(s)" in line, line
     # The worker goes on serving.

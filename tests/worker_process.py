@@ -101,14 +101,21 @@ class WorkerProcess:
 
     def held_until_a_stall_is_logged(self) -> tuple[int, int, str]:
         """Hold the worker with SIGSTOP, 0.5 s at a time, until its event loop's watch
-        (worker/jobs/loopwatch.py) logs a stall after the first hold; the stall's milliseconds,
-        its thread's CPU milliseconds and its line.
+        (worker/jobs/loopwatch.py) logs a stall of at least 0.4 s after the first hold; the
+        stall's milliseconds, its thread's CPU milliseconds and its line.
 
         The process, its loop and the watch's thread alike, is stopped: when it goes on, its
         loop ran at least 0.4 s late. The watch logs at most one line every 10 s (a stall the
-        machine caused just before may have had one), hence the holds until a line comes.
+        machine caused just before may have had one, and may have one in between), hence
+        the holds until a line of one of them comes.
         """
-        before = len(STALL_LINE.findall(self.log()))
+        skip = len(self.log().splitlines())
+
+        def logged() -> list[tuple[int, int, str]]:
+            lines = self.log().splitlines()[skip:]
+            found = [(int(m[1]), int(m[2]), line) for line in lines
+                     if (m := STALL_LINE.search(line))]
+            return [stall for stall in found if stall[0] >= 400]
 
         def held_and_logged() -> bool:
             os.kill(self.pid, signal.SIGSTOP)
@@ -116,13 +123,11 @@ class WorkerProcess:
                 time.sleep(0.5)
             finally:
                 os.kill(self.pid, signal.SIGCONT)
-            return len(STALL_LINE.findall(self.log())) > before
+            return bool(logged())
 
         wait_until(held_and_logged, "no stall of the worker's event loop was logged",
                    timeout=120, poll=0.5)
-        lines = [line for line in self.log().splitlines() if STALL_LINE.search(line)]
-        held, cpu = STALL_LINE.findall(lines[before])[0]
-        return int(held), int(cpu), lines[before]
+        return logged()[0]
 
     def vllm_pids(self) -> list[int]:
         """Every vLLM main process this worker reported starting (one per launch)."""
