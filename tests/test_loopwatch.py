@@ -10,14 +10,24 @@ worker's line, from a worker stopped by SIGSTOP, is in tests/test_load.py.
 from __future__ import annotations
 
 import asyncio
+import linecache
 import re
+import sys
 import time
 
 import pytest
 
 from tests.conftest import ROOT, load_script
 from worker.config.settings import Settings
-from worker.jobs.loopwatch import LoopWatch, Stall, Unreported, describe, more_stalls, watching
+from worker.jobs.loopwatch import (
+    LoopWatch,
+    Stall,
+    Unreported,
+    describe,
+    more_stalls,
+    watching,
+    where,
+)
 
 THRESHOLD = 0.05
 
@@ -133,3 +143,12 @@ def test_the_queue_benchmark_reads_the_watchs_own_words() -> None:
     log = "\n".join(f"2026-12-06 02:00:00,000 WARNING worker.loop: {line}" for line in lines)
     assert bench.loop_stalls(log + "\nINFO worker: taking jobs") == {
         "count": 2 + 3 + 2, "longest_ms": 900, "lines": 2, "cpu_lines": 1}
+
+
+def test_the_place_is_read_without_loading_any_source() -> None:
+    """A stack formatted with :mod:`traceback` loads each file's source into :mod:`linecache`
+    for good, thousands of objects a file: the real-vLLM soak counted them as a leak."""
+    linecache.clearcache()
+    place = where(sys._getframe())
+    assert place.startswith("tests/test_loopwatch.py:") and " test_the_place_is_read" in place
+    assert linecache.cache == {}
