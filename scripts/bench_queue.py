@@ -77,6 +77,8 @@ GOAL_SHARE_P90_MS = 50.0
 GOAL_TTFT_ADDED_P50_MS = 40.0
 GOAL_LB_TTFT_ADDED_P50_MS = 15.0
 GOAL_LB_ITL_ADDED_P50_MS = 2.0
+ENGINES = ("multiprocessing", "in-process")
+GOAL_WHOLE_PCT = 10.0  # issue 41: jobs whose first stream POST held the whole stream
 
 
 @dataclass
@@ -87,6 +89,9 @@ class Run:
     result: dict[str, Any]
     take_to_post_ms: list[float] = field(default_factory=list)
     posts: list[int] = field(default_factory=list)
+    #: Per job: whether its first stream POST held its whole stream (every event of it: a
+    #: stream the worker held until vLLM had written it all, the "no stream" of issue 41).
+    whole: list[bool] = field(default_factory=list)
     #: Per job (ms): each stage of STAGES, and the worker's share (take -> first POST minus
     #: vLLM's own time to its first event for that request).
     stages: dict[str, list[float]] = field(default_factory=dict)
@@ -135,23 +140,36 @@ STAGES = (
 SHARE = "worker_share"
 
 
-def queue_view(records: list[JobRecord], timelines: dict[str, dict[str, float]],
+_EVENT_END = re.compile(r"\r\n\r\n|\n\n|\r\r")
+
+
+def events_in(post: Any) -> int:
+    """The SSE events of one stream POST (the worker posts text holding whole events)."""
+    output = post.get("output") if isinstance(post, dict) else None
+    return len(_EVENT_END.findall(output)) if isinstance(output, str) else 1
+
+
+def queue_view(records: list[JobRecord], timelines: dict[str, dict[str, float]] | None,
                run: Run) -> list[str]:
-    """Each job's take → first stream POST, its stages, its worker's share (take → first
-    POST minus vLLM's own time to the first event) and its stream POSTs, into ``run``; what
-    went wrong."""
+    """Each job's take → first stream POST, whether that POST held the whole stream, its
+    stream POSTs and, from a worker that writes its timeline (``timelines`` not None: every
+    worker since a26a054), its stages and its worker's share (take → first POST minus
+    vLLM's own time to the first event), into ``run``; what went wrong."""
     wrong = []
     run.stages = {key: [] for key in (*(stage[0] for stage in STAGES), SHARE)}
     for record in records:
-        line = timelines.get(record.id, {})
+        line = (timelines or {}).get(record.id, {})
         if (record.error is not None or record.taken_at is None or not record.stream_times
-                or "first_event" not in line):
+                or (timelines is not None and "first_event" not in line)):
             wrong.append(f"{record.id}: {record.done!r:.200} (timeline {line})")
             continue
-        marks = {**line, "api_taken": record.taken_at, "api_posted": record.stream_times[0]}
-        wait = 1000 * (marks["api_posted"] - marks["api_taken"])
+        wait = 1000 * (record.stream_times[0] - record.taken_at)
         run.take_to_post_ms.append(wait)
         run.posts.append(len(record.stream))
+        run.whole.append(events_in(record.stream[0]) == sum(map(events_in, record.stream)))
+        if timelines is None:
+            continue
+        marks = {**line, "api_taken": record.taken_at, "api_posted": record.stream_times[0]}
         for key, _, start, end in STAGES:
             run.stages[key].append(1000 * (marks[end] - marks[start]))
         run.stages[SHARE].append(wait - 1000 * (marks["first_event"] - marks["sent"]))
@@ -182,7 +200,7 @@ def cpu_per_1000(run: Run) -> float:
 
 def run_pair(concurrency: int, index: int, *, serve: Callable[..., dict[str, Any]],
              vllm_url: str, worker_url: str, worker_pid: int, out: Path, wrong: list[str],
-             api: FakeJobApi | None = None) -> Pair:
+             api: FakeJobApi | None = None, timelines: Path | None = None) -> Pair:
     """The client straight to vLLM, then through the worker (the platform stand-in over the
     job API when ``api`` is given, the load balancer's port otherwise)."""
     direct = Run(serve(base_url=vllm_url, concurrency=concurrency,
@@ -194,7 +212,8 @@ def run_pair(concurrency: int, index: int, *, serve: Callable[..., dict[str, Any
     relayed.worker_cpu_s = cpu_seconds(worker_pid) - cpu
     if api is not None:
         records = [api.jobs[job_id] for job_id in api.jobs if job_id not in before]
-        wrong += queue_view(records, timelines_of(records, out / "timeline.jsonl"), relayed)
+        lines = timelines_of(records, timelines) if timelines is not None else None
+        wrong += queue_view(records, lines, relayed)
     for run, path in ((direct, "straight to vLLM"), (relayed, "through the worker")):
         if run.result.get("failed"):
             wrong.append(f"{run.result['failed']} requests failed {path} at {concurrency}")
@@ -227,6 +246,10 @@ def summary(pairs: list[Pair]) -> dict[str, float]:
         figures["take_to_post_max_ms"] = max(max(p.relayed.take_to_post_ms) for p in pairs)
         figures["vllm_ttft_max_ms"] = max(p.direct.ms("p100_ttft_ms") for p in pairs)
         figures["posts_per_job"] = median_of(pairs, lambda p: statistics.mean(p.relayed.posts))
+        figures["posts_per_job_p50"] = median_of(
+            pairs, lambda p: statistics.median(p.relayed.posts))
+        figures["whole_first_post_pct"] = median_of(
+            pairs, lambda p: 100 * statistics.mean(p.relayed.whole))
         # The take -> first POST of a percentile minus the client's TTFT straight to vLLM at
         # the same percentile (the figure of the issue's first runs; vLLM's TTFT then is not
         # the one it has beside the worker and the stand-ins on the same CPUs).
@@ -236,7 +259,9 @@ def summary(pairs: list[Pair]) -> dict[str, float]:
                                                - figures["vllm_ttft_p90_ms"])
         # Per job, then its percentiles: each stage, and the worker's share (the request's
         # take -> first POST minus vLLM's own time to that request's first event).
-        for key in (*(stage[0] for stage in STAGES), SHARE):
+        # Only from a worker that writes its timeline (every worker since a26a054).
+        timed = bool(pairs[0].relayed.stages[SHARE])
+        for key in (*(stage[0] for stage in STAGES), SHARE) if timed else ():
             for label, q in (("p50", 0.5), ("p90", 0.9)):
                 figures[f"{key}_{label}_ms"] = median_of(
                     pairs, lambda p, key=key, q=q: percentile(  # type: ignore[misc]
@@ -271,12 +296,20 @@ def print_table(title: str, figures: dict[str, float], rounds: int) -> None:
              f"{f['worker_cpu_ms_per_1000_tokens']:.0f}", "")]
     if queue:
         rows += [("take -> first stream POST p50 / p90 (ms)", "",
-                  f"{f['take_to_post_p50_ms']:.0f} / {f['take_to_post_p90_ms']:.0f}", ""),
+                  f"{f['take_to_post_p50_ms']:.0f} / {f['take_to_post_p90_ms']:.0f}",
+                  "p90 as before issue 41's regression"),
+                 ("jobs whose first POST held the whole stream", "",
+                  f"{f['whole_first_post_pct']:.0f} %",
+                  f"<= {GOAL_WHOLE_PCT:.0f} %: "
+                  + verdict(f["whole_first_post_pct"] <= GOAL_WHOLE_PCT)),
+                 ("stream POSTs per job, mean / p50", "",
+                  f"{f['posts_per_job']:.1f} / {f['posts_per_job_p50']:.0f}", ""),
                  ("slowest: vLLM's TTFT / take -> first POST (ms)", f"{f['vllm_ttft_max_ms']:.0f}",
                   f"{f['take_to_post_max_ms']:.0f}", "(all rounds)"),
                  ("  minus the client's TTFT straight to vLLM", "",
                   f"{f['share_vs_straight_p50_ms']:.0f} / {f['share_vs_straight_p90_ms']:.0f}",
                   "(same percentile)")]
+    if queue and "worker_share_p50_ms" in f:  # a worker that writes its timeline
         for key, name, _, _ in STAGES:
             both = f"{f[key + '_p50_ms']:.0f} / {f[key + '_p90_ms']:.0f}"
             vllm_own = key == "stage_vllm"  # in vLLM's column
@@ -287,8 +320,7 @@ def print_table(title: str, figures: dict[str, float], rounds: int) -> None:
                   f"<= {GOAL_SHARE_P50_MS:.0f} / {GOAL_SHARE_P90_MS:.0f}: " + verdict(
                       f["worker_share_p50_ms"] <= GOAL_SHARE_P50_MS
                       and f["worker_share_p90_ms"] <= GOAL_SHARE_P90_MS)
-                  + f" (max {f['worker_share_max_ms']:.0f})"),
-                 ("stream POSTs per job", "", f"{f['posts_per_job']:.1f}", "")]
+                  + f" (max {f['worker_share_max_ms']:.0f})")]
     for name, direct, worker, goal in rows:
         print(f"  {name:<46} {direct:>10} {worker:>10}  {goal}")
 
@@ -309,38 +341,57 @@ class Bench:
         return bench_serve(self.env["VLLM_EXECUTABLE"], client_env, self.args,
                            model=self.env["MODEL_NAME"], **kwargs)
 
+    def worker_env(self, engine: str) -> dict[str, str]:
+        """The worker's environment for vLLM's ``engine``, its source from --worker-tree."""
+        env = {**base_env(), **self.env}
+        if engine == "multiprocessing":  # vLLM's default, as the endpoints run it
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if self.args.worker_tree is not None:
+            env["PYTHONPATH"] = str(self.args.worker_tree)
+        return env
+
+    @property
+    def worker_cwd(self) -> Path:
+        """``python -m worker`` imports the worker of its working directory first."""
+        return self.args.worker_tree or ROOT
+
     def rounds(self, part: str, worker: WorkerProcess, vllm_port: int, worker_url: str,
-               api: FakeJobApi | None = None) -> None:
+               api: FakeJobApi | None = None, timelines: Path | None = None) -> None:
         print(f"bench_queue: {part}: vLLM up through the worker, "
               f"{time.monotonic() - self.started:.0f} s into the run", flush=True)
         for concurrency in self.args.concurrency:
             pairs = [run_pair(concurrency, index, serve=self.serve,
                               vllm_url=f"http://127.0.0.1:{vllm_port}", worker_url=worker_url,
                               worker_pid=worker.pid, out=self.scratch, wrong=self.wrong,
-                              api=api) for index in range(self.args.rounds)]
+                              api=api, timelines=timelines)
+                     for index in range(self.args.rounds)]
             key = f"{part} {concurrency}"
             self.results[key] = summary(pairs)
             print_table(f"{part}, concurrency {concurrency}", self.results[key],
                         self.args.rounds)
 
 
-def queue_part(bench: Bench) -> None:
+def queue_part(bench: Bench, engine: str) -> None:
     vllm_port = free_port()
+    part = f"queue ({engine})"
+    timelines = bench.scratch / f"timeline-{engine}.jsonl"
     with FakeJobApi(hold=0.5) as api, FakePlatform(api) as platform:
         worker = WorkerProcess(
             [sys.executable, "-m", "worker"],
-            {**base_env(), **api.env(), **bench.env, "VLLM_PORT": str(vllm_port),
+            {**bench.worker_env(engine), **api.env(), "VLLM_PORT": str(vllm_port),
              "MAX_CONCURRENCY": str(max(bench.args.concurrency)),
-             "WORKER_TIMELINE_FILE": str(bench.scratch / "timeline.jsonl")},
-            log_path=bench.scratch / "queue-worker.log")
+             "WORKER_TIMELINE_FILE": str(timelines)},
+            log_path=bench.scratch / f"queue-worker-{engine}.log", cwd=bench.worker_cwd)
         try:
             worker.wait_for_log("taking jobs", timeout=600)
-            bench.rounds("queue", worker, vllm_port,
-                         platform.openai_url.removesuffix("/v1"), api)
+            # A worker before a26a054 writes no timeline (bisecting with --worker-tree).
+            written = "writing each job's timeline" in worker.log()
+            bench.rounds(part, worker, vllm_port, platform.openai_url.removesuffix("/v1"), api,
+                         timelines if written else None)
         finally:
             worker.kill()
-        bench.results["queue stalls"] = stalls = loop_stalls(worker.log())
-        print(f"\nqueue: the worker's event loop did not turn for over 0.1 s "
+        bench.results[f"{part} stalls"] = stalls = loop_stalls(worker.log())
+        print(f"\n{part}: the worker's event loop did not turn for over 0.1 s "
               f"{stalls['count']:.0f} time(s), the longest {stalls['longest_ms']:.0f} ms; of the "
               f"{stalls['lines']:.0f} line(s) the watch logged (one per 10 s at most), "
               f"{stalls['cpu_lines']:.0f} say its thread hardly ran (no CPU, or a blocking call), "
@@ -364,13 +415,13 @@ def loop_stalls(log: str) -> dict[str, float]:
             "cpu_lines": sum(1 for line in lines if STALL.search(line) and "did not turn" in line)}
 
 
-def lb_part(bench: Bench) -> None:
+def lb_part(bench: Bench, engine: str) -> None:
     vllm_port = free_port()
-    lb = start_lb_worker({**base_env(), **bench.env, "VLLM_PORT": str(vllm_port)},
-                         bench.scratch / "lb-worker.log")
+    lb = start_lb_worker({**bench.worker_env(engine), "VLLM_PORT": str(vllm_port)},
+                         bench.scratch / f"lb-worker-{engine}.log", cwd=bench.worker_cwd)
     try:
         lb.wait_for_status(200, timeout=600)
-        bench.rounds("lb", lb.worker, vllm_port, lb.url)
+        bench.rounds(f"lb ({engine})", lb.worker, vllm_port, lb.url)
     finally:
         lb.stop()
 
@@ -383,6 +434,13 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--part", choices=("queue", "lb", "both"), default="both")
+    parser.add_argument("--engine", nargs="+", choices=ENGINES, default=list(ENGINES),
+                        help="how vLLM runs its engine: multiprocessing (its default, as the "
+                             "endpoints run it) and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,"
+                             " as the tests run it)")
+    parser.add_argument("--worker-tree", type=Path,
+                        help="run the worker of this checkout (e.g. a git worktree of an older "
+                             "commit, to bisect); the benchmark's own parts stay this one's")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
@@ -392,10 +450,11 @@ def main() -> int:
     bench = Bench(args, env, scratch)
     print(f"bench_queue: {args.prompts} prompts of {args.input_len} tokens, "
           f"{args.output_len} out, per run of the client", flush=True)
-    if args.part in ("queue", "both"):
-        queue_part(bench)
-    if args.part in ("lb", "both"):
-        lb_part(bench)
+    for engine in args.engine:
+        if args.part in ("queue", "both"):
+            queue_part(bench, engine)
+        if args.part in ("lb", "both"):
+            lb_part(bench, engine)
     if args.json is not None:
         args.json.write_text(json.dumps(bench.results, indent=1))
     print(f"\nTook {time.monotonic() - bench.started:.0f} s.")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import free_port
-from tests.worker_process import WorkerProcess
+from tests.worker_process import ROOT, WorkerProcess
 
 
 @dataclass
@@ -95,7 +95,7 @@ class LbWorker:
 
 
 def start_lb_worker(env: Mapping[str, str], log_path: Path, *,
-                    separate_health_port: bool = False) -> LbWorker:
+                    separate_health_port: bool = False, cwd: Path = ROOT) -> LbWorker:
     """``python -m worker`` in lb mode on free ports, health polled from its spawn."""
     port = free_port()
     health_port = free_port() if separate_health_port else port
@@ -103,7 +103,7 @@ def start_lb_worker(env: Mapping[str, str], log_path: Path, *,
     if separate_health_port:
         full["PORT_HEALTH"] = str(health_port)
     health = HealthLog(f"http://127.0.0.1:{health_port}/ping")
-    worker = WorkerProcess([sys.executable, "-m", "worker"], full, log_path=log_path)
+    worker = WorkerProcess([sys.executable, "-m", "worker"], full, log_path=log_path, cwd=cwd)
     health.start()
     return LbWorker(worker, port, health_port, health)
 

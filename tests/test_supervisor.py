@@ -7,6 +7,7 @@ import contextlib
 import gc
 import io
 import logging
+import os
 import sys
 import textwrap
 import time
@@ -51,6 +52,22 @@ def test_stop_ends_the_whole_process_group_even_a_child_ignoring_sigterm(
             r.getMessage()] == ["vLLM did not stop within 1s: killing its process group"]
     assert "hf_SECRETVALUE" not in echo.getvalue()
     assert "parent up, token ***" in process.tail()
+
+
+def test_vllm_leads_its_own_process_group_in_the_workers_session() -> None:
+    """Its own group, so that a stop reaches every process of vLLM; the worker's session, so
+    that where Linux's autogroup is on vLLM is not a scheduling group of its own, which held
+    the worker's event loop off the CPUs (issue 41)."""
+    process = VllmProcess([sys.executable, "-c", "import time; time.sleep(600)"], {},
+                          echo=io.StringIO())
+    process.start()
+    try:
+        assert process.pid is not None
+        assert os.getpgid(process.pid) == process.pid != os.getpgid(0)
+        assert os.getsid(process.pid) == os.getsid(0)
+    finally:
+        process.stop(grace=1.0)
+    assert group_members(process.pid) == []
 
 
 def test_an_early_exit_is_noticed_at_once_and_keeps_the_last_lines() -> None:

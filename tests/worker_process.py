@@ -59,7 +59,8 @@ class WorkerProcess:
     #: the vLLM launches per file): pytest's PYTEST_CURRENT_TEST, less its phase.
     started_by: ClassVar[list[tuple[Path, str]]] = []
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, log_path: Path) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, log_path: Path,
+                 cwd: Path = ROOT) -> None:
         self.log_path = log_path
         WorkerProcess.log_paths.append(log_path)
         owner = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
@@ -71,7 +72,7 @@ class WorkerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            cwd=ROOT,
+            cwd=cwd,
             start_new_session=True,
         )
 

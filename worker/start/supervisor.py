@@ -1,8 +1,15 @@
 """Own the lifecycle of one `vllm serve` process.
 
 vLLM starts an API server that spawns engine processes; those outlive their parent for
-seconds after a SIGTERM. So the child runs in its own session (process group), every stop
-signals the whole group, and a stop only returns once the group is empty. Output is read
+seconds after a SIGTERM. So the child leads a process group of its own, every stop signals
+the whole group, and a stop only returns once the group is empty. The group stays in the
+worker's session: a session of its own is a scheduling group of its own wherever Linux's
+autogroup is on (``/proc/sys/kernel/sched_autogroup_enabled``, for processes outside a
+container's cgroup), and there vLLM's busy CPU threads held the worker's event loop off the
+CPUs for up to 1.7 s at a time, long enough for a job's whole stream to go out in one POST
+(issue 41: ``scripts/bisect_queue.py`` measured it, docs/development.md has the figures).
+In one session the kernel shares the CPUs between the worker's threads and vLLM's as it
+does inside a container, where the worker runs on Runpod. Output is read
 by a thread (so it keeps flowing whatever event loop runs, or none), echoed with secrets
 masked, and its last lines are kept for the diagnosis of a failed start.
 """
@@ -135,7 +142,7 @@ class VllmProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,  # its own group, in the worker's session: see the module's doc
             preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread()
             else None,
         )
@@ -233,7 +240,7 @@ class VllmProcess:
         """
         if self._proc is None:
             return
-        pgid = self._proc.pid  # start_new_session: the child leads its own group
+        pgid = self._proc.pid  # process_group=0: the child leads its own group
         began = time.monotonic()
         if self._group_alive(pgid):
             logger.info("stopping vLLM (process group %d; SIGKILL after %.0f s)", pgid, grace)
