@@ -108,13 +108,43 @@ def test_kv_cache_too_small_relaunches_once_then_explains(
     job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str]
 ) -> None:
     worker, [record] = failed_start(
-        job_api, start_worker, {**worker_env, "KV_CACHE_MEMORY_BYTES": "200000"}
+        # Room for a few blocks of tokens, short of one request of MAX_MODEL_LEN=512: vLLM says
+        # the length that fits ("the estimated maximum model length is N").
+        job_api, start_worker, {**worker_env, "KV_CACHE_MEMORY_BYTES": "600000"}
     )
     message = startup_error(record)
-    assert "MAX_MODEL_LEN" in message
+    # MAX_MODEL_LEN=512 was set: never changed, and the fix names the longest length that fits.
+    fits = re.search(r"Set MAX_MODEL_LEN=(\d+) or lower", message)
+    assert fits is not None, message
+    assert 0 < int(fits[1]) < 512
+    assert "--max-model-len auto" not in worker.log()
     # ENFORCE_EAGER is already true in this environment: the relaunch changes the rest only.
     assert "Already tried: a relaunch with MAX_NUM_BATCHED_TOKENS=8192." in message
     assert len(worker.vllm_pids()) == 2  # the first start and the one relaunch
+
+
+def test_an_unset_context_too_long_for_the_kv_cache_is_fitted_and_served(
+    job_api: FakeJobApi, start_worker: StartWorker, worker_env: dict[str, str],
+    tiny_model: Path, tmp_path: Path,
+) -> None:
+    # What a user who sets MODEL_NAME alone gets from a model whose config claims more context
+    # than the KV cache holds (64 MiB here: 32,768 tokens of the tiny model in float32).
+    model = model_copy(tiny_model, tmp_path, max_position_embeddings=1048576)
+    env = {**worker_env, "MODEL_NAME": str(model)}
+    del env["MAX_MODEL_LEN"]
+    worker = start_worker(env)
+    record = job_api.wait_done(job_api.submit(PROMPT), timeout=240)
+    assert record.error is None and record.done is not None, record.done
+    models = job_api.wait_done(job_api.submit({"route": "/v1/models"}), timeout=60).done
+    assert models is not None
+    served = models["output"][0]["data"][0]["max_model_len"]
+    assert 0 < served < 1048576
+    log = worker.log()
+    assert "--max-model-len auto" in log
+    assert (f"context: vLLM fitted the context to {served:,} tokens of the model's 1,048,576"
+            in log), log[-3000:]
+    assert "GPU_MEMORY_UTILIZATION" in log and "KV_CACHE_DTYPE=fp8" in log
+    assert "relaunching" not in log and len(worker.vllm_pids()) == 1
 
 
 def test_unrecognised_failure_answers_one_job_then_exits(

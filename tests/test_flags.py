@@ -137,10 +137,10 @@ def test_a_catalog_with_malformed_request_fields_is_refused(request_fields: obje
     [
         ([], "JSON object"),
         ({"schema": 99, "flags": [{}]}, "schema 99"),
-        ({"schema": 2, "flags": []}, "non-empty list"),
-        ({"schema": 2, "flags": [{"name": "--x"}]}, "malformed"),
-        ({"schema": 2, "flags": [{"name": "--x", "kind": "toggle"}]}, "unknown kind"),
-        ({"schema": 2, "flags": [{"name": "x", "kind": "value"}]}, "not a long option"),
+        ({"schema": 3, "flags": []}, "non-empty list"),
+        ({"schema": 3, "flags": [{"name": "--x"}]}, "malformed"),
+        ({"schema": 3, "flags": [{"name": "--x", "kind": "toggle"}]}, "unknown kind"),
+        ({"schema": 3, "flags": [{"name": "x", "kind": "value"}]}, "not a long option"),
     ],
 )
 def test_invalid_catalogs(data: object, needle: str) -> None:

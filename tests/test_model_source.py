@@ -213,6 +213,7 @@ def test_the_dry_run_says_where_the_model_comes_from(tmp_path: Path) -> None:
            "BASE_PATH": str(tmp_path / "volume")}
     done = subprocess.run([sys.executable, "-m", "worker", "--dry-run"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.startswith("HF_HUB_OFFLINE=1 vllm serve acme/tiny --revision ")
+    assert done.stdout.startswith("HF_HUB_OFFLINE=1 vllm serve acme/tiny --max-model-len auto "
+                                  "--revision ")
     assert "model source: model acme/tiny: complete in" in done.stderr
     assert "model source: everything vLLM needs is cached: it runs offline" in done.stderr

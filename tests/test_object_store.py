@@ -35,7 +35,8 @@ class Row:
 ROWS = [
     Row("a-bucket-of-a-compatible-store",
         {"MODEL_NAME": "s3://models/qwen3-0.6b", **STORE},
-        argv_has=("serve s3://models/qwen3-0.6b --load-format runai_streamer",),
+        argv_has=("serve s3://models/qwen3-0.6b --max-model-len auto --load-format "
+                  "runai_streamer",),
         vllm_env={"HF_HUB_OFFLINE": "1", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
                   "AWS_ENDPOINT_URL": None},
         offline=True,

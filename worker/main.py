@@ -72,6 +72,8 @@ def dry_run(builder: Builder, masker: SecretMasker) -> int:
     if command.model_sources is not None:
         for line in command.model_sources.lines():
             print(f"model source: {masker.mask(line)}", file=sys.stderr)
+    if command.context is not None:
+        print(f"context: {command.context.reason}", file=sys.stderr)
     for warning in command.warnings:
         print(f"warning: {masker.mask(warning)}", file=sys.stderr)
     return 0

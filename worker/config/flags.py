@@ -31,7 +31,7 @@ from typing import Any, Literal, cast
 from worker.config.request_fields import RequestFields, dump_request_fields
 
 #: Bumped whenever the JSON layout changes; a cached catalog of another schema is redumped.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 FlagKind = Literal["value", "bool_pair", "store_true", "store_false"]
 _KINDS: frozenset[str] = frozenset({"value", "bool_pair", "store_true", "store_false"})
@@ -68,6 +68,10 @@ class Flag:
     choices: tuple[str, ...] | None = None
     option_strings: tuple[str, ...] = ()
     deprecated: bool = False
+    auto: bool = False
+    """True when the value's type takes the word ``auto`` as a value of its own (vLLM 0.32's
+    ``--max-model-len``: ``human_readable_int_or_auto``, "auto" → -1, fit to the memory), where
+    it rejects other words; read from the parser at the dump (:func:`_takes_auto`)."""
 
     @property
     def env_name(self) -> str:
@@ -91,6 +95,7 @@ class Flag:
             "choices": list(self.choices) if self.choices is not None else None,
             "option_strings": list(self.option_strings),
             "deprecated": self.deprecated,
+            "auto": self.auto,
         }
 
     @classmethod
@@ -114,6 +119,7 @@ class Flag:
             choices=tuple(str(c) for c in choices) if choices is not None else None,
             option_strings=tuple(str(s) for s in data.get("option_strings") or (name,)),
             deprecated=bool(data.get("deprecated", False)),
+            auto=bool(data.get("auto", False)),
         )
 
 
@@ -218,6 +224,23 @@ class FlagCatalog:
 
 
 # -- dumping (runs in vLLM's interpreter) --------------------------------------------------
+def _takes_auto(action: argparse.Action) -> bool:
+    """Whether the action's type reads ``auto`` as a value of its own: it accepts the word and
+    refuses another one (a plain ``str`` takes any word, which says nothing)."""
+    convert = action.type
+    if not callable(convert) or action.choices is not None:
+        return False
+    try:
+        convert("auto")
+    except Exception:
+        return False
+    try:
+        convert("not-a-value")
+    except Exception:
+        return True
+    return False
+
+
 def _describe_action(action: argparse.Action, deprecated: bool) -> Flag | None:
     """The catalog entry of one argparse action, or None for positionals and short-only ones."""
     longs = [s for s in action.option_strings if s.startswith("--")]
@@ -252,6 +275,7 @@ def _describe_action(action: argparse.Action, deprecated: bool) -> Flag | None:
         choices=choices,
         option_strings=tuple(action.option_strings),
         deprecated=deprecated,
+        auto=kind == "value" and _takes_auto(action),
     )
 
 

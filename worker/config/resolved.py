@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from worker.config.context import ContextFit
 from worker.config.request_fields import RequestFields
 from worker.config.sources import ModelSources
 from worker.secrets import SecretMasker
@@ -145,20 +146,32 @@ class VllmCommand:
     """The fields the vLLM that runs reads in a completion and a chat request (from the flag
     catalog; :mod:`worker.config.request_fields`), which a prompt or messages job is checked
     against."""
+    context: ContextFit | None = None
+    """How the context (``--max-model-len``) is chosen (:mod:`worker.config.context`)."""
 
-    def with_model_sources(self, sources: ModelSources) -> VllmCommand:
-        """This command with what ``sources`` decided: its variables, and the revisions it pins
-        (before the worker's own ``--host``/``--port``, which stay last)."""
-        pins = [arg for flag, value in sources.flags.items() for arg in (flag, value)]
-        argv = (*self.argv[:-4], *pins, *self.argv[-4:]) if pins else self.argv
-        flags = {name: setting for name, setting in self.flags.items()
-                 if name not in sources.flags}
+    def _with_worker_flags(self, added: Mapping[str, str]) -> VllmCommand:
+        """This command with flags the worker sets (one value each), before its own
+        ``--host``/``--port``, which stay last."""
+        args = [arg for flag, value in added.items() for arg in (flag, value)]
+        argv = (*self.argv[:-4], *args, *self.argv[-4:]) if args else self.argv
+        flags = {name: setting for name, setting in self.flags.items() if name not in added}
         tail: dict[str, FlagSetting] = {
             name: flags.pop(name) for name in ("--host", "--port") if name in flags}
-        for flag, value in sources.flags.items():
+        for flag, value in added.items():
             flags[flag] = FlagSetting(FlagSource("worker"), (value,))
-        return replace(self, argv=argv, flags={**flags, **tail}, model_sources=sources,
+        return replace(self, argv=argv, flags={**flags, **tail})
+
+    def with_model_sources(self, sources: ModelSources) -> VllmCommand:
+        """This command with what ``sources`` decided: its variables, and the revisions it pins."""
+        return replace(self._with_worker_flags(sources.flags), model_sources=sources,
                        env_overrides={**self.env_overrides, **sources.env})
+
+    def with_context(self, context: ContextFit) -> VllmCommand:
+        """This command with how its context is chosen (``--max-model-len auto`` when the worker
+        lets vLLM fit it)."""
+        args = context.args
+        added = {args[0]: args[1]} if args else {}
+        return replace(self._with_worker_flags(added), context=context)
 
     # -- reading flags -----------------------------------------------------------------
     @property

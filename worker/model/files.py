@@ -42,6 +42,7 @@ __all__ = [
     "Selection",
     "index_to_read",
     "is_weight_file",
+    "loaded_weights",
     "select_files",
     "weight_patterns",
 ]
@@ -157,6 +158,31 @@ def _weight_files(
         return "only .pt weights, which vLLM reads only for some model classes"
     chosen = tuple(p for p in paths if _matches(p, patterns) and not _matches(p, ignore))
     return chosen or f"no file matches {patterns[0]}"
+
+
+def loaded_weights(
+    paths: Sequence[str],
+    *,
+    load_format: str | None = None,
+    quantization: str | None = None,
+    weight_map: Collection[str] | None = None,
+    ignore_patterns: Sequence[str] = DEFAULT_IGNORE_PATTERNS,
+) -> tuple[str, ...] | str:
+    """The weight files vLLM loads from a repo of ``paths`` (one format: safetensors over
+    ``.bin``), for the weight check; why they cannot be told.
+
+    With a safetensors index whose ``weight_map`` is not read yet, its shards are taken to be
+    the ``.safetensors`` files at the top of the repo, where every index puts them.
+    """
+    patterns = weight_patterns(paths, load_format, quantization)
+    if isinstance(patterns, str):
+        return patterns
+    if not patterns:
+        return f"--load-format {load_format} loads no weight file"
+    if index_to_read(paths, patterns) is not None and weight_map is None:
+        top = tuple(p for p in _top_level(paths) if fnmatchcase(p, "*.safetensors"))
+        return top or f"{SAFE_WEIGHTS_INDEX} names shards that are not at the top of the repo"
+    return _weight_files(paths, patterns, weight_map, ignore_patterns)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from worker.config.catalog import resolve_catalog
 from worker.config.command import build_command
+from worker.config.context import fit_context
 from worker.config.flags import FlagCatalog
 from worker.config.inputs import read_text
 from worker.config.resolved import (
@@ -204,10 +205,12 @@ class Builder:
         )
 
     def launch(self, env: Mapping[str, str] | None = None) -> Launch:
-        """One start: the command for ``env``, where its model comes from (the caches are read:
-        run it off the event loop), and the environment vLLM gets with it."""
+        """One start: the command for ``env`` with its context chosen
+        (:func:`worker.config.context.fit_context`), where its model comes from (the caches are
+        read: run it off the event loop), and the environment vLLM gets with it."""
         source = self.env if env is None else env
         command = self.command(source)
+        command = command.with_context(fit_context(command, self.catalog))
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
         hub = hub_access(child, self._read_text)
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (

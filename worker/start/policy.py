@@ -10,6 +10,9 @@ it says. Every branch is table-tested without a process.
 * the Hub did not answer for a model that is not cached (vLLM was stopped) → ask it again
   1, 2, 4, 8 s later, until HUB_RETRY_TIMEOUT, then ``hub_unreachable`` (the worker exits, the
   platform retries); the runner relaunches vLLM as soon as the Hub answers;
+* the model's context does not fit the KV cache, MAX_MODEL_LEN unset, and a vLLM without
+  ``--max-model-len auto`` (:mod:`worker.config.context`) → one relaunch at the length vLLM
+  said fits;
 * out of memory while vLLM sized its buffers → one relaunch with a smaller footprint (unless
   WORKER_OOM_RELAUNCH=false);
 * a full disk with vLLM's cache on the volume → one relaunch with the cache on local disk;
@@ -45,6 +48,7 @@ __all__ = [
     "TimedOut",
     "WaitForHub",
     "decide",
+    "fitted_context",
     "hub_retry_delay",
     "smaller_footprint",
 ]
@@ -184,6 +188,8 @@ def decide(
             kind=diagnosis.kind, exit_code=attempt.exit_code,
             logs=logs_for_jobs(attempt.log_tail, attempt.exit_code)))
     if not tried:
+        if (fitted := fitted_context(diagnosis, start)) is not None:
+            return fitted
         if (oom_relaunch and diagnosis.recoverable_by_smaller_footprint
                 and (smaller := smaller_footprint(start))):
             return smaller
@@ -217,6 +223,17 @@ def hub_unreachable(attempt: HubDown, start: Start) -> HubUnreachable:
         [(t.repo, t.role, t.variable, how) for t, how in attempt.outage.repos],
         tried_for=attempt.down_for, caches=caches)
     return HubUnreachable(message.message, kind=message.kind, endpoint=attempt.outage.endpoint)
+
+
+def fitted_context(diagnosis: Diagnosis, start: Start) -> Relaunch | None:
+    """The relaunch at the context vLLM said fits, for a start whose context the worker fits
+    by relaunching (MAX_MODEL_LEN unset, a vLLM without ``--max-model-len auto``)."""
+    context = start.command.context
+    if context is None or context.how != "relaunch" or not diagnosis.fits:
+        return None
+    env = {**start.env, "MAX_MODEL_LEN": str(diagnosis.fits)}
+    return Relaunch(env, f"MAX_MODEL_LEN={diagnosis.fits}, the longest context vLLM said "
+                         "its KV cache holds")
 
 
 def smaller_footprint(start: Start) -> Relaunch | None:

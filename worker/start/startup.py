@@ -5,9 +5,11 @@ start that cannot work in seconds instead of minutes. Its answer also lists the 
 model that is not cached: the worker then downloads them beside vLLM's start-up
 (:mod:`worker.model.prefetch`) and logs the download's progress (:mod:`worker.model.progress`).
 When the Hub does not answer for such a model, vLLM is stopped and the Hub asked again until it
-answers (vLLM is relaunched) or the policy gives up. No job is taken before vLLM is healthy: jobs
-stay queued on the platform during the cold start. What to do after each attempt is decided by
-:func:`worker.start.policy.decide`; this module only carries it out.
+answers (vLLM is relaunched) or the policy gives up. With the pre-flight's answer comes the
+weight check (:mod:`worker.start.fit`): weights that cannot fit the GPUs stop vLLM and answer
+jobs with ``model_too_large`` before any download starts. No job is taken before vLLM is
+healthy: jobs stay queued on the platform during the cold start. What to do after each
+attempt is decided by :func:`worker.start.policy.decide`; this module only carries it out.
 
 The parts it drives come in as arguments (the builder, how a process is spawned, the hub
 check), so the start can be run in-process against stand-ins.
@@ -20,18 +22,24 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from worker.config.resolved import Launch, VllmCommand
 from worker.errors import ConfigError, StartupError, WorkerError
 from worker.model.adapters import adapter_sources, missing_adapter_folder
+from worker.model.bucket import list_objects
+from worker.model.messages import HubMessage
 from worker.model.prefetch import Download, Prefetch, downloads_of
 from worker.model.preflight import PreflightResult, preflight
 from worker.model.progress import StartProgress
+from worker.model.weights import model_weights
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.diagnosis import diagnose
+from worker.start.fit import WeightCheck, check_weights, context_line, fitted_context
+from worker.start.gpus import query_gpu_memory
 from worker.start.policy import (
     Attempt,
     Decision,
@@ -60,6 +68,8 @@ StartDownload = Callable[[Download, Launch], None]
 """Start downloading a repo beside vLLM (in the background; it must not block)."""
 WaitHealthy = Callable[[VllmProcess], Coroutine[object, object, Readiness]]
 """How one process's start ends: healthy, exited, or timed out."""
+GpuMemory = Callable[[], Sequence[int] | str]
+"""Each GPU's memory in MiB (nvidia-smi), or why it is not known."""
 
 
 @dataclass
@@ -105,6 +115,7 @@ class Startup:
         hub_check: HubCheck | None = None,
         wait_healthy: WaitHealthy | None = None,
         start_download: StartDownload | None = None,
+        gpu_memory: GpuMemory = query_gpu_memory,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -116,6 +127,7 @@ class Startup:
         self._hub_check = hub_check or self._preflight
         self._wait_healthy = wait_healthy or self._wait_until_healthy
         self._start_download = start_download or self._prefetch
+        self._gpu_memory = gpu_memory
         self._clock = clock
         self._sleep = sleep
         self._downloading: set[str] = set()
@@ -213,6 +225,8 @@ class Startup:
         if launch.command.model_sources is not None:
             for line in launch.command.model_sources.lines():
                 logger.info("model source: %s", self._masker.mask(line))
+        if launch.command.context is not None:
+            logger.info("context: %s", launch.command.context.reason)
         return launch
 
     def _spawn_vllm(self, launch: Launch) -> VllmProcess:
@@ -249,6 +263,10 @@ class Startup:
                 "vLLM healthy after %.1f s (%s)",
                 time.monotonic() - process.timeline.launched_at, process.timeline.summary(),
             )
+            context = launch.command.context
+            if context is not None and context.fitted_by_vllm:
+                logger.info("context: %s",
+                            context_line(fitted_context(process.tail()), launch.command))
             return Healthy()
         process.stop()  # also ends engine children that would hold the pipe open
         process.drain_output()
@@ -262,9 +280,14 @@ class Startup:
                                         timeout=self.settings.startup_timeout)
 
     async def _check_hub(self, launch: Launch) -> PreflightResult:
-        """The pre-flight of every repo; the downloads of the repos vLLM fetches start with its
-        answer."""
+        """The pre-flight of every repo and the weight check; the downloads of the repos vLLM
+        fetches start with their answer, unless the weights cannot fit."""
         result = await self._hub_check(launch, None)
+        if result.startup_error is not None or result.outage is not None:
+            return result
+        too_large = await self._check_weights(launch, result)
+        if too_large is not None:
+            return replace(result, problems=(too_large,))
         downloads = downloads_of(launch.command, result.listings, launch.hub.cache_dirs[0])
         meters = []
         for download in downloads:
@@ -278,6 +301,31 @@ class Startup:
                 self._reporter = asyncio.create_task(
                     self.progress.report(self.settings.progress_interval), name="progress")
         return result
+
+    async def _check_weights(self, launch: Launch, result: PreflightResult) -> HubMessage | None:
+        """The weights against the GPUs (:func:`worker.start.fit.check_weights`): the problem
+        of weights that cannot fit, else None; never raises."""
+        try:
+            check = await asyncio.to_thread(self._weight_check, launch, result)
+        except Exception as exc:  # a bug here must never stop a start that would work
+            logger.warning("weight check skipped: %s", exc)
+            return None
+        log = logger.warning if check.fits is False else logger.info
+        log("%s", self._masker.mask(check.line))
+        if check.fits is not False:
+            return None
+        return HubMessage(kind="model_too_large", cause=self._masker.mask(check.cause),
+                          fix=self._masker.mask(check.fix))
+
+    def _weight_check(self, launch: Launch, result: PreflightResult) -> WeightCheck:
+        """The check's verdict (blocks: nvidia-smi, the disk, a bucket's listing); the weights
+        are counted only with GPUs to compare them with."""
+        gpus = self._gpu_memory()
+        list_bucket = partial(list_objects, env=launch.env,
+                              timeout=self.settings.hub_check_timeout or 10.0)
+        weights = gpus if isinstance(gpus, str) else model_weights(
+            launch.command, result.listings, list_bucket=list_bucket)
+        return check_weights(weights, gpus, launch.command)
 
     def _prefetch(self, download: Download, launch: Launch) -> None:
         if not self.settings.prefetch:

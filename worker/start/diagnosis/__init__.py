@@ -42,6 +42,9 @@ class Diagnosis:
     transient: bool = False
     """The fault may be gone on the next start (an object store that did not answer): the
     start policy starts vLLM once more, then the platform retries."""
+    fits: int | None = None
+    """The longest context vLLM said fits the KV cache ("the estimated maximum model length
+    is N"), when it said one."""
 
     @property
     def message(self) -> str:
@@ -71,6 +74,7 @@ def diagnose(log_tail: Sequence[str], exit_code: int | None, launch: Launch) -> 
             cause, fix = rule.explain(match, raised, context)
             if not fix:
                 continue  # the rule needs something the message lacks (e.g. a flag to name)
+            estimated = match.groupdict().get("estimated")
             return Diagnosis(rule.kind, full_stop(cause), fix, rule.recoverable,
-                             rule.transient)
+                             rule.transient, int(estimated) if estimated else None)
     return None

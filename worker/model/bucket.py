@@ -1,0 +1,118 @@
+"""The objects under a model's prefix in an S3 bucket, with their sizes: one signed listing.
+
+The weight check (:mod:`worker.start.fit`) needs the bytes of a model streamed from a bucket
+before vLLM reads them. The worker has no AWS SDK (vLLM's boto3 lives in vLLM's interpreter),
+so this is S3's ListObjectsV2 (``GET /?list-type=2&prefix=...``) over httpx, signed with AWS
+Signature Version 4 (https://docs.aws.amazon.com/AmazonS3/latest/API/sig-v4-header-based-auth.html)
+with the static keys of the environment vLLM gets (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``), at the endpoint it gets (path-style, as the
+worker has the streamer address every store that is not AWS; AWS itself virtual-hosted). Keys
+from a profile or a role are not read: the listing is then skipped, as for ``gs://`` and
+``az://``. Nothing here raises: an answer that is not a listing is a reason, and vLLM's own
+start says what is wrong with the bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+from collections.abc import Mapping
+from urllib.parse import quote, urlsplit
+from xml.etree import ElementTree
+
+import httpx
+
+from worker.config.sources import ObjectUri
+
+__all__ = ["canonical_query", "list_objects", "signed_headers"]
+
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+#: Pages of 1,000 keys: a model's prefix holds a few dozen files; more is not a model.
+_MAX_PAGES = 10
+
+
+def _hmac(key: bytes, text: str) -> bytes:
+    return hmac.new(key, text.encode(), hashlib.sha256).digest()
+
+
+def canonical_query(query: Mapping[str, str]) -> str:
+    """The query string as SigV4 signs it (sorted, RFC 3986 encoded), also the one sent."""
+    return "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}"
+                    for k, v in sorted(query.items()))
+
+
+def signed_headers(
+    url: str, query: Mapping[str, str], *, key_id: str, secret: str, region: str,
+    token: str | None, now: datetime.datetime,
+) -> dict[str, str]:
+    """The headers of a SigV4-signed ``GET url?query`` to S3 (no body)."""
+    parts = urlsplit(url)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    headers = {"host": parts.netloc, "x-amz-content-sha256": _EMPTY_SHA256,
+               "x-amz-date": stamp}
+    if token:
+        headers["x-amz-security-token"] = token
+    names = ";".join(sorted(headers))
+    canonical = "\n".join([
+        "GET",
+        quote(parts.path or "/", safe="/-_.~"),
+        canonical_query(query),
+        "".join(f"{name}:{headers[name]}\n" for name in sorted(headers)),
+        names,
+        _EMPTY_SHA256,
+    ])
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
+                         hashlib.sha256(canonical.encode()).hexdigest()])
+    key = _hmac(_hmac(_hmac(_hmac(f"AWS4{secret}".encode(), day), region), "s3"), "aws4_request")
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={key_id}/{scope}, "
+                                f"SignedHeaders={names}, Signature={signature}")
+    del headers["host"]  # httpx sends it, the same
+    return headers
+
+
+def list_objects(
+    uri: ObjectUri, env: Mapping[str, str], *, timeout: float = 10.0,
+    transport: httpx.BaseTransport | None = None,
+) -> dict[str, int] | str:
+    """Every object under ``uri``'s prefix: its path below the prefix → its size; or why the
+    bucket was not listed. ``env`` is vLLM's environment."""
+    def value(name: str) -> str:
+        return env.get(name, "").strip()
+
+    if uri.scheme != "s3":
+        return f"the weight check lists only S3 buckets, not {uri.scheme}://"
+    key_id, secret = value("AWS_ACCESS_KEY_ID"), value("AWS_SECRET_ACCESS_KEY")
+    if not (key_id and secret):
+        return "no AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to list the bucket with"
+    region = value("AWS_REGION") or value("AWS_DEFAULT_REGION") or "us-east-1"
+    endpoint = (value("AWS_ENDPOINT_URL_S3") or value("AWS_ENDPOINT_URL")).rstrip("/")
+    url = (f"{endpoint}/{uri.bucket}" if endpoint
+           else f"https://{uri.bucket}.s3.{region}.amazonaws.com/")
+    prefix = f"{uri.prefix}/" if uri.prefix else ""
+    sizes: dict[str, int] = {}
+    query = {"list-type": "2", "prefix": prefix}
+    try:
+        with httpx.Client(timeout=timeout, transport=transport) as client:
+            for _ in range(_MAX_PAGES):
+                headers = signed_headers(url, query, key_id=key_id, secret=secret, region=region,
+                                         token=value("AWS_SESSION_TOKEN") or None,
+                                         now=datetime.datetime.now(datetime.UTC))
+                answer = client.get(f"{url}?{canonical_query(query)}", headers=headers)
+                if answer.status_code != 200:
+                    return f"the store answered {answer.status_code} to the listing"
+                page = ElementTree.fromstring(answer.content)
+                for item in page.iter(f"{_NS}Contents"):
+                    key, size = item.findtext(f"{_NS}Key"), item.findtext(f"{_NS}Size")
+                    if key is not None and size is not None and size.isdigit():
+                        sizes[key[len(prefix):]] = int(size)
+                following = page.findtext(f"{_NS}NextContinuationToken")
+                if page.findtext(f"{_NS}IsTruncated") != "true" or not following:
+                    return sizes
+                query = {**query, "continuation-token": following}
+    except (httpx.HTTPError, ElementTree.ParseError) as exc:
+        return f"the listing failed ({type(exc).__name__})"
+    return f"more than {_MAX_PAGES * 1000} objects under the prefix"
