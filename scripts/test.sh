@@ -16,6 +16,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
 mkdir -p .test-results
+# What the machine must have (a Python with venv, libnuma; root, debootstrap and unshare for
+# the image tests, which run unless the arguments leave them out): installed as root, else
+# named in one line with the command that installs it.
+image=--image
+if [ $# -gt 0 ] && { [[ " $* " != *image* ]] || [[ " $* " == *"not image"* ]]; }; then
+  image=""
+fi
+bash scripts/prerequisites.sh test.sh $image
 if [ $# -gt 0 ]; then
   bash scripts/setup.sh
   exec .venv/bin/python -m pytest --junitxml=.test-results/junit.xml "$@"

@@ -71,3 +71,18 @@ def table_rows(text: str, header: str, *, every: bool = False) -> list[list[str]
         rows += [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
                  for line in lines if line.startswith("|")]
     return rows
+
+
+#: A test or script a page names: in inline code (`tests/test_x.py::test_y`) or in an HTML
+#: comment beside a claim (<!-- tests/test_x.py::test_y -->), where a reader does not trip on it.
+_REFERENCE = re.compile(r"((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?")
+
+
+def references(text: str) -> list[tuple[str, str | None]]:
+    """The ``(path, test name or None)`` of every test or script ``text`` names in inline code
+    or in an HTML comment."""
+    found: list[tuple[str, str | None]] = []
+    for match in re.finditer(r"`([^`\n]+)`|<!--(.*?)-->", text, re.S):
+        found += [(ref[1], ref[2]) for ref in _REFERENCE.finditer(match[1] or match[2])
+                  if match[2] is not None or ref.group(0) == match[1]]
+    return found

@@ -9,7 +9,9 @@ takes it with the real runpod SDK, and
   worker POSTs to job-stream is written to the client as it arrives (the worker's outputs are
   whole SSE events), and the job-done POST ends the response;
 * any other request is answered with the job's output (its one yield), as JSON, once the
-  job is done.
+  job is done;
+* a GET (``/models``) becomes a job with the route and no ``openai_input``, which the worker
+  sends to vLLM as a GET.
 
 A failed job is answered 500 with its error (before a stream began) or ends the stream with
 an SSE event carrying it. So ``vllm bench serve`` (vLLM's own client) or the ``openai``
@@ -72,6 +74,7 @@ class FakePlatform:
     async def _start(self) -> None:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v2/{endpoint}/openai/v1/{route:.+}", self._openai)
+        app.router.add_get("/v2/{endpoint}/openai/v1/{route:.+}", self._openai)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         # A burst of clients (vllm bench serve opens --max-concurrency connections at once)
@@ -92,16 +95,18 @@ class FakePlatform:
 
     # -- the client's side -------------------------------------------------------------
     async def _openai(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": "the body is not JSON"}, status=400)
+        job: dict[str, Any] = {"openai_route": "/v1/" + request.match_info["route"]}
+        body: Any = None
+        if request.method == "POST":
+            try:
+                body = job["openai_input"] = await request.json()
+            except ValueError:
+                return web.json_response({"error": "the body is not JSON"}, status=400)
         job_id = f"openai-{next(self._ids)}"
         posts: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._waiting[job_id] = posts  # before the job exists: no POST can be missed
         try:
-            self.api.submit({"openai_route": "/v1/" + request.match_info["route"],
-                             "openai_input": body}, job_id=job_id)
+            self.api.submit(job, job_id=job_id)
             if isinstance(body, dict) and body.get("stream"):
                 return await self._stream(request, posts)
             return await self._answer(posts)

@@ -2,7 +2,8 @@
 (a pytest plugin of conftest.py). A module's own shared worker lives in that module.
 
 * ``queue_worker``: a queue worker over the tiny model, for every test that only needs a
-  healthy one (the routes, the early jobs, the stalls, the secrets, the load);
+  healthy one (the routes, the early jobs, the stalls, the secrets, the load, the OpenAI and
+  Anthropic examples through the stand-in of the platform's /openai/v1 routes);
   ``retiring_queue_worker`` ends it (vLLM's death).
 * ``baked_worker``: a model baked into the image (tests/test_e2e_config.py);
   ``retiring_baked_worker`` ends it (a SIGTERM).

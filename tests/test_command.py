@@ -215,7 +215,7 @@ def test_a_typo_is_not_guessed_into_a_flag_but_named(name: str, meant: str) -> N
     command = build(with_model(**{name: "8192"}))
     assert flags(command) == []
     assert command.warnings == (
-        f"{name} is ignored: it is no flag of vLLM test and no setting of the worker; "
+        f"{name} is ignored: it is neither a flag of vLLM test nor a setting of the worker; "
         f"did you mean {meant}?",
     )
 
@@ -422,7 +422,7 @@ def test_earlier_names_warn_with_what_to_do(name: str) -> None:
     command = build(with_model(**{name: "1"}))
     assert flags(command) == []
     [warning] = command.warnings
-    assert warning.startswith(f"{name} is ignored: it is no flag of vLLM test and no setting "
+    assert warning.startswith(f"{name} is ignored: it is neither a flag of vLLM test nor a setting "
                               "of this worker (the earlier worker's name); ")
     assert warning.endswith("remove it")
 

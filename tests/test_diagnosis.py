@@ -10,6 +10,7 @@ diagnosis must come from the root error and nothing else.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,15 @@ from worker.start.diagnosis import Diagnosis, diagnose
 FAILURE_LOGS = Path(__file__).parent / "data" / "failure_logs"
 TAIL = 400
 def fixture(name: str, replace: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The log's tail as the worker keeps it: below the header of ``#`` lines that says how a
+    log was captured (scripts/capture_hub_failures.py writes one), which is not vLLM's."""
     text = (FAILURE_LOGS / name).read_text(encoding="utf-8")
     for old, new in (replace or {}).items():
         text = text.replace(old, new)
-    return tuple(text.splitlines()[-TAIL:])
+    lines = text.splitlines()
+    while lines and lines[0].startswith("# "):
+        del lines[0]
+    return tuple(lines[-TAIL:])
 
 
 # -- building blocks (vLLM's log format) ---------------------------------------------------
@@ -174,7 +180,7 @@ CASES = [
     # ---- out of memory ----
     Case(
         "cuda-oom-while-profiling",
-        fixture("gpu_cuda_oom_profile_run.log"),
+        fixture("assembled_gpu_cuda_oom_profile_run.log"),
         "out_of_memory",
         cause_has=("Tried to allocate 1.62 GiB", "total capacity of 79.19 GiB"),
         fix_has=(
@@ -191,7 +197,7 @@ CASES = [
     ),
     Case(
         "cuda-oom-while-loading-weights-is-not-retried",
-        fixture("gpu_cuda_oom_loading_weights.log"),
+        fixture("assembled_gpu_cuda_oom_loading_weights.log"),
         "out_of_memory",
         cause_has=("weights do not fit", "total capacity of 23.55 GiB"),
         fix_has=("quantized", "TENSOR_PARALLEL_SIZE", "23.55 GiB"),
@@ -305,7 +311,7 @@ CASES = [
     ),
     Case(
         "gpu-shared-with-another-process",
-        fixture("gpu_free_memory_below_utilization.log"),
+        fixture("assembled_gpu_free_memory_below_utilization.log"),
         "insufficient_free_memory",
         cause_has=("38.12/79.19 GiB", "0.9"),
         fix_has=("GPU_MEMORY_UTILIZATION=0.4",),
@@ -447,15 +453,16 @@ CASES = [
     # ---- the model: not found, gated, revision, offline ----
     Case(
         "repo-not-found",
-        fixture("repo_not_found.log"),
+        fixture("hub_repo_not_found.log"),
         "model_not_found",
-        cause_has=("Qwen/Qwen3-0.6B-Instrukt", "is not a local folder", "HF_TOKEN is not set"),
+        cause_has=("Qwen/Qwen3-0.6B-Instrukt", "does not exist", "HF_TOKEN is not set"),
         fix_has=("MODEL_NAME", "full `org/repo` id"),
         env=MODEL_ENV,
     ),
     Case(
         "tokenizer-repo-not-found",
-        fixture("repo_not_found.log", {"Qwen/Qwen3-0.6B-Instrukt": "acme/tokenizer-typo"}),
+        fixture("hub_repo_not_found.log",
+                {"Qwen/Qwen3-0.6B-Instrukt": "acme/tokenizer-typo"}),
         "model_not_found",
         cause_has=("acme/tokenizer-typo",),
         fix_has=("TOKENIZER_NAME",),
@@ -514,18 +521,18 @@ CASES = [
     ),
     Case(
         "gated-without-token",
-        fixture("gated_model.log"),
+        fixture("hub_gated_model.log"),
         "gated_model",
         cause_has=(
             "meta-llama/Llama-3.1-8B-Instruct",
             "HF_TOKEN is not set",
-            "Access to model meta-llama/Llama-3.1-8B-Instruct is restricted",
+            "Cannot access gated repo for url",
         ),
         fix_has=("HF_TOKEN", "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct"),
     ),
     Case(
         "gated-with-a-token-lacking-access",
-        fixture("gated_model.log"),
+        fixture("hub_gated_model.log"),
         "gated_model",
         cause_has=("the account of the token in HF_TOKEN has not been granted access",),
         fix_has=("HF_TOKEN",),
@@ -564,7 +571,7 @@ CASES = [
     ),
     Case(
         "revision-not-found",
-        fixture("revision_not_found.log"),
+        fixture("hub_revision_not_found.log"),
         "revision_not_found",
         cause_has=("v2.0", "Qwen/Qwen3-8B"),
         fix_has=("MODEL_REVISION",),
@@ -615,7 +622,7 @@ CASES = [
     ),
     Case(
         "model-code-states-a-requirement",
-        fixture("model_requirement.log"),
+        fixture("assembled_model_requirement.log"),
         "model_requirement",
         cause_has=("laguna.py", "Laguna requires the `LagunaConfig` from Transformers"),
         fix_has=("MODEL_NAME",),
@@ -654,7 +661,7 @@ CASES = [
     # ---- disk ----
     Case(
         "disk-full-while-downloading",
-        fixture("disk_full.log"),
+        fixture("assembled_disk_full.log"),
         "disk_full",
         cause_has=("No space left on device",),
         fix_has=("BASE_PATH=/runpod-volume", "network volume", "container disk"),
@@ -716,11 +723,12 @@ CASES = [
     Case("no-such-bucket-of-something-else", fixture("object_store_no_bucket.log"), None),
     Case("an-endpoint-of-something-else", fixture("object_store_unreachable.log"), None),
     # ---- not recognised: a restart (on another host) may help, or we do not know ----
-    Case("cuda-illegal-memory-access", fixture("gpu_cuda_illegal_memory_access.log"), None),
+    Case("cuda-illegal-memory-access",
+         fixture("assembled_gpu_cuda_illegal_memory_access.log"), None),
     # A library missing from the image: prestart_failed, with the root error first
     # (tests/test_policy.py).
     Case("cpu-libnuma-missing", fixture("cpu_libnuma_missing.log"), None),
-    Case("nccl-error", fixture("gpu_nccl_error.log"), None),
+    Case("nccl-error", fixture("assembled_gpu_nccl_error.log"), None),
     Case(
         "shared-memory-full",
         engine_core_error(
@@ -815,7 +823,7 @@ def test_diagnose(case: Case) -> None:
 
 
 # -- how the root error is found -----------------------------------------------------------
-OOM = fixture("gpu_cuda_oom_profile_run.log")
+OOM = fixture("assembled_gpu_cuda_oom_profile_run.log")
 
 
 def test_the_list_of_supported_architectures_is_not_repeated() -> None:
@@ -924,6 +932,18 @@ def test_every_fixture_is_used() -> None:
     used = {path.name for path in FAILURE_LOGS.glob("*.log")}
     source = Path(__file__).read_text(encoding="utf-8")
     assert {name for name in used if f'"{name}"' not in source} == set()
+
+
+def test_every_log_says_whether_it_was_captured() -> None:
+    """A log captured from a real run is in a table of the folder's README with its command;
+    one put together from vLLM's message templates says so by its name (``assembled_``)."""
+    readme = (FAILURE_LOGS / "README.md").read_text(encoding="utf-8")
+    captured = set(re.findall(r"^\| `([\w.]+\.log)` \|", readme, re.M))
+    logs = {path.name for path in FAILURE_LOGS.glob("*.log")}
+    assembled = {name for name in logs if name.startswith("assembled_")}
+    assert assembled and captured
+    assert logs - assembled == captured
+    assert all(f"`{name}`" in readme for name in assembled)
 
 
 def test_hub_failures_are_worded_as_the_preflight_words_them() -> None:

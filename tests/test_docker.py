@@ -318,6 +318,8 @@ def test_readme_docker_builds_use_only_what_the_dockerfile_declares() -> None:
     args = args_and_defaults()
     for words in builds:
         assert words[-1] == "."
+        # What Runpod's workers run (docs/deploy.md), and what the image tests build here.
+        assert words[words.index("--platform") + 1] == "linux/amd64", words
         for i, word in enumerate(words):
             if word == "--build-arg":
                 name = words[i + 1].split("=", 1)[0]
@@ -743,6 +745,42 @@ def test_hub_presets_fit_every_pool() -> None:
     # The rule refuses what the listing once offered: an 8B model in bf16 on the 16 GB pool.
     qwen3_8b = ModelSize(8.19e9 * 2 / 2**30, layers=36, kv_heads=8, head_dim=128)
     assert not fits(qwen3_8b, 32768, 16) and fits(qwen3_8b, 8192, 24)
+
+
+#: The first models of docs/deploy.md's walkthrough, from their config.json: bf16 weights of
+#: 2 bytes a parameter (8.03 B for Llama 3.1 8B, 8.29 B for Qwen2.5-VL 7B with its vision
+#: encoder, 70.6 B for Llama 3.3 70B), layers, KV heads and head size.
+FIRST_MODELS: dict[str, ModelSize] = {
+    "Qwen/Qwen3-8B": ModelSize(8.19e9 * 2 / 2**30, layers=36, kv_heads=8, head_dim=128),
+    "meta-llama/Llama-3.1-8B-Instruct": ModelSize(
+        8.03e9 * 2 / 2**30, layers=32, kv_heads=8, head_dim=128),
+    "Qwen/Qwen2.5-VL-7B-Instruct": ModelSize(
+        8.29e9 * 2 / 2**30, layers=28, kv_heads=4, head_dim=128),
+    "meta-llama/Llama-3.3-70B-Instruct": ModelSize(
+        70.6e9 * 2 / 2**30, layers=80, kv_heads=8, head_dim=128),
+}
+
+
+def test_the_first_models_fit_their_gpus(catalog: FlagCatalog) -> None:
+    """docs/deploy.md's table of first models: each fits its GPUs by the sizing rule (split
+    evenly over TENSOR_PARALLEL_SIZE of them) and its variables build a command."""
+    rows = docs.table_rows(docs.page("deploy.md"), "| First model |")
+    assert len(rows) >= 4
+    for model_cell, gpu_cell, count_cell, variables in rows:
+        env = dict(word.split("=", 1) for word in re.findall(r"`([A-Z_]+=[^`]+)`", variables))
+        model = env["MODEL_NAME"]
+        assert model_cell.startswith(f"`{model}`"), model_cell
+        gpus = int(count_cell)
+        assert int(env.get("TENSOR_PARALLEL_SIZE", "1")) == gpus, env
+        [pool] = re.findall(r"`([A-Z]+_\d+\w*)`", gpu_cell)
+        size = FIRST_MODELS[model]
+        share = ModelSize(size.weights_gib / gpus, size.layers, size.kv_heads // gpus,
+                          size.head_dim)
+        assert fits(share, int(env["MAX_MODEL_LEN"]), pool_memory_gib(pool)), model
+        assert not fits(share, int(env["MAX_MODEL_LEN"]), pool_memory_gib(pool) / 2), (
+            f"{model}: a GPU of half the memory would do")
+        build_command(env, catalog, baked_args_path="/nonexistent",
+                      config_default="/nonexistent")
 
 
 def test_hub_tests_json(catalog: FlagCatalog) -> None:

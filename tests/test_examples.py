@@ -8,10 +8,13 @@ scripts: /run, /runsync, /status, /stream) runs as a subprocess with BASE_URL po
 
 The SDK's local API has no ``/openai/...`` routes (runpod's rp_fastapi.py defines /run,
 /runsync, /stream/{id}, /status/{id} and nothing else), so the OpenAI and Anthropic examples
-cannot go through it. They run against vLLM's own OpenAI-compatible server instead
-(``http://127.0.0.1:VLLM_PORT/v1``): the API that the platform's ``/openai/v1`` routes
-forward to, so their client code is proven to work against the real thing. That the
-platform builds those URLs and forwards them is checked offline below, not against Runpod.
+go through the stand-in of the platform's ``/openai/v1`` routes (tests/fake_platform.py: a
+request becomes the job the platform makes, a stream is the job's stream POSTs) over the
+shared queue worker of tests/pooled.py (the real SDK loop over the fake job API, the CPU vLLM
+behind it): the path a client's request takes on an endpoint. The two that need an endpoint's
+settings (a tool-call parser, structured outputs without free whitespace), which the shared
+queue worker must not have (it shows a tool choice without a parser refused), run against the
+vLLM of ``scripts/run_local.sh``, set as docs/requests.md says, at its own ``/v1``.
 
 The speech-to-text example (``requests_transcribe``) has a worker of its own, serving the
 tiny Whisper the same way, and runs as docs/speech-to-text.md says.
@@ -45,6 +48,8 @@ import pytest
 
 from tests import docs
 from tests.conftest import free_port, load_script
+from tests.fake_platform import FakePlatform
+from tests.serving import Serving
 from tests.shared_workers import POOL, pooled
 from tests.tiny_model import sine_wav
 from tests.worker_process import WorkerProcess, base_env
@@ -57,11 +62,15 @@ PLATFORM = "https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID"
 
 #: Examples with a route on the SDK's local API (BASE_URL = the worker's API).
 LOCAL_API_EXAMPLES = ("requests_runsync", "requests_run_status", "requests_stream")
-#: Examples of the OpenAI-compatible API (BASE_URL = vLLM's own /v1).
-OPENAI_EXAMPLES = (
+#: Examples of the OpenAI-compatible API through the platform's /openai/v1 routes (BASE_URL =
+#: the stand-in platform's, over the shared queue worker).
+PLATFORM_EXAMPLES = (
     "openai_chat", "openai_stream", "openai_completions", "openai_models", "anthropic_messages",
-    "openai_structured", "openai_tools", "openai_responses",
+    "openai_responses",
 )
+#: Those that need an endpoint's settings (BASE_URL = the vLLM of scripts/run_local.sh, /v1).
+SETTINGS_EXAMPLES = ("openai_structured", "openai_tools")
+OPENAI_EXAMPLES = PLATFORM_EXAMPLES + SETTINGS_EXAMPLES
 #: The speech-to-text example (BASE_URL = the local API of a worker serving a speech model),
 #: and the file it is given.
 SPEECH_EXAMPLE = "requests_transcribe"
@@ -173,17 +182,42 @@ def run_example(name: str, base_url: str, *args: str) -> subprocess.CompletedPro
     )
 
 
+Runs = dict[str, subprocess.CompletedProcess[str]]
+
+
+def run_examples(targets: dict[str, str]) -> Runs:
+    """Each example at its BASE_URL, all at once (the worker serves them concurrently)."""
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = {name: pool.submit(run_example, name, url) for name, url in targets.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.fixture
-def example_runs(local_worker: LocalWorker) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Every example, all at once (the worker serves them concurrently), once per worker."""
+def example_runs(local_worker: LocalWorker) -> Runs:
+    """The examples of the local API and those that need the endpoint's settings, once per
+    worker."""
     if not local_worker.runs:
         targets = {name: local_worker.api_url for name in LOCAL_API_EXAMPLES}
-        targets |= {name: local_worker.openai_url for name in OPENAI_EXAMPLES}
-        with ThreadPoolExecutor(len(targets)) as pool:
-            futures = {name: pool.submit(run_example, name, url)
-                       for name, url in targets.items()}
-            local_worker.runs.update({name: future.result() for name, future in futures.items()})
+        targets |= {name: local_worker.openai_url for name in SETTINGS_EXAMPLES}
+        local_worker.runs.update(run_examples(targets))
     return local_worker.runs
+
+
+#: The platform's runs of each shared queue worker (by its process id), once made.
+_PLATFORM_RUNS: dict[int, Runs] = {}
+
+
+@pytest.fixture
+def platform_runs(queue_worker: Serving) -> Runs:
+    """The OpenAI and Anthropic examples through the stand-in of the platform's /openai/v1
+    routes over the shared queue worker (its served name, ``c``, from its config file), once
+    per worker."""
+    key = queue_worker.worker.proc.pid
+    if key not in _PLATFORM_RUNS:
+        with FakePlatform(queue_worker.api) as platform:
+            _PLATFORM_RUNS[key] = run_examples(dict.fromkeys(PLATFORM_EXAMPLES,
+                                                             platform.openai_url))
+    return _PLATFORM_RUNS[key]
 
 
 def _completed(run: subprocess.CompletedProcess[str]) -> str:
@@ -204,7 +238,7 @@ def _generated_tokens(stdout: str) -> int:
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["requests_runsync", "requests_run_status"])
 def test_job_examples_print_a_real_answer(
-    example_runs: dict[str, subprocess.CompletedProcess[str]], name: str
+    example_runs: Runs, name: str
 ) -> None:
     stdout = _completed(example_runs[name])
     # test_input.json asks for 64 tokens; the tiny model rarely stops before.
@@ -215,7 +249,7 @@ def test_job_examples_print_a_real_answer(
 
 @pytest.mark.vllm
 def test_stream_example_prints_the_tokens_of_every_piece(
-    example_runs: dict[str, subprocess.CompletedProcess[str]],
+    example_runs: Runs,
 ) -> None:
     stdout = _completed(example_runs["requests_stream"])
     # How many pieces depends on timing (each takes what vLLM sent meanwhile): at least one.
@@ -226,17 +260,22 @@ def test_stream_example_prints_the_tokens_of_every_piece(
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["openai_chat", "openai_completions", "anthropic_messages"])
-def test_openai_and_anthropic_examples_against_vllms_own_server(
-    example_runs: dict[str, subprocess.CompletedProcess[str]], name: str
+def test_openai_and_anthropic_examples_through_the_platforms_routes(
+    platform_runs: Runs, queue_worker: Serving, name: str
 ) -> None:
-    stdout = _completed(example_runs[name])
+    stdout = _completed(platform_runs[name])
     assert _generated_tokens(stdout) > 0
     assert stdout.split("\n[")[0].strip(), "no answer text"
+    # Each request was a job of the platform's making, which the worker took.
+    routes = {record.input["openai_route"] for record in queue_worker.api.taken()
+              if isinstance(record.input, dict) and "openai_route" in record.input}
+    assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
+            "/v1/responses"} <= routes
 
 
 @pytest.mark.vllm
-def test_openai_stream_example(example_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
-    stdout = _completed(example_runs["openai_stream"])
+def test_openai_stream_example(platform_runs: Runs) -> None:
+    stdout = _completed(platform_runs["openai_stream"])
     chunks = int(re.search(r"chunks=(\d+)", stdout)[1])  # type: ignore[index]
     assert chunks > 2
     assert _generated_tokens(stdout) > 0
@@ -244,7 +283,7 @@ def test_openai_stream_example(example_runs: dict[str, subprocess.CompletedProce
 
 @pytest.mark.vllm
 def test_the_structured_outputs_example_gets_answers_that_parse(
-    example_runs: dict[str, subprocess.CompletedProcess[str]],
+    example_runs: Runs,
 ) -> None:
     lines = dict(line.split(": ", 1) for line in _completed(example_runs["openai_structured"])
                  .splitlines() if ": " in line)
@@ -258,7 +297,7 @@ def test_the_structured_outputs_example_gets_answers_that_parse(
 
 @pytest.mark.vllm
 def test_the_tools_example_gets_a_call_with_the_tools_parameters(
-    example_runs: dict[str, subprocess.CompletedProcess[str]],
+    example_runs: Runs,
 ) -> None:
     [call] = _completed(example_runs["openai_tools"]).splitlines()
     name, arguments = call.split("(", 1)
@@ -269,10 +308,8 @@ def test_the_tools_example_gets_a_call_with_the_tools_parameters(
 
 
 @pytest.mark.vllm
-def test_the_responses_example_gets_a_whole_and_a_streamed_answer(
-    example_runs: dict[str, subprocess.CompletedProcess[str]],
-) -> None:
-    stdout = _completed(example_runs["openai_responses"])
+def test_the_responses_example_gets_a_whole_and_a_streamed_answer(platform_runs: Runs) -> None:
+    stdout = _completed(platform_runs["openai_responses"])
     assert _generated_tokens(stdout) > 0
     events = re.search(r"\[events=(\d+), first=([^,]+), last=([^\]]+)\]", stdout)
     assert events is not None, stdout
@@ -280,10 +317,9 @@ def test_the_responses_example_gets_a_whole_and_a_streamed_answer(
 
 
 @pytest.mark.vllm
-def test_openai_models_example_lists_the_served_model(
-    example_runs: dict[str, subprocess.CompletedProcess[str]], local_worker: LocalWorker
-) -> None:
-    assert _completed(example_runs["openai_models"]).split() == [local_worker.model]
+def test_openai_models_example_lists_the_served_model(platform_runs: Runs) -> None:
+    # The shared queue worker's served name, from its config file (tests/pooled.py).
+    assert _completed(platform_runs["openai_models"]).split() == ["c"]
 
 
 @pytest.mark.vllm
@@ -454,19 +490,21 @@ def openai_client_blocks() -> list[str]:
 
 
 @pytest.mark.vllm
-def test_the_docs_openai_client_examples_answer(local_worker: LocalWorker) -> None:
-    """Run as written, with the endpoint's address replaced by vLLM's own /v1 (what the
-    platform's /openai/v1 forwards to)."""
+def test_the_docs_openai_client_examples_answer(queue_worker: Serving) -> None:
+    """Run as written, with the endpoint's address replaced by the stand-in platform's
+    /openai/v1 over the shared queue worker."""
     blocks = openai_client_blocks()
     assert blocks  # the README's
     env = {**base_env(), "RUNPOD_ENDPOINT_ID": "local", "RUNPOD_API_KEY": "unused"}
     env.pop("PYTHONPATH", None)
-    for block in blocks:
-        code = block.replace(OPENAI_BASE_URL, repr(local_worker.openai_url))
-        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip(), "no answer printed"
+    with FakePlatform(queue_worker.api) as platform:
+        for block in blocks:
+            code = block.replace(OPENAI_BASE_URL, repr(platform.openai_url))
+            assert platform.openai_url in code, block
+            done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.strip(), "no answer printed"
 
 
 @pytest.mark.vllm

@@ -85,3 +85,15 @@ def test_an_answer_is_the_job_s_one_yield_and_a_failure_its_error(
         reply = failed.result(timeout=120)
         assert (reply.status_code, reply.json()) == (500, {"error": "{\"type\": \"vllm_error\"}"})
     wait_until(lambda: not platform._waiting, "a finished request's job stayed registered")
+
+
+def test_a_get_is_a_job_of_the_route_alone(platform: FakePlatform) -> None:
+    """``client.models.list()``: the route with no ``openai_input``, which the worker sends as
+    a GET (worker/jobs/routing.py)."""
+    api = platform.api
+    with httpx.Client(timeout=120) as client, ThreadPoolExecutor(1) as pool:
+        answered = pool.submit(client.get, f"{platform.openai_url}/models")
+        job = take(api)
+        assert job["input"] == {"openai_route": "/v1/models"}
+        post(api, "job-done", job["id"], {"output": [{"object": "list", "data": []}]})
+        assert answered.result(timeout=120).json() == {"object": "list", "data": []}

@@ -703,6 +703,10 @@ ENV_NUMBERS = ["nan", "NaN", "inf", "-inf", "Infinity", "1e308", "1e309", "1e400
 env_values = st.sampled_from(ENV_NUMBERS) | st.integers(-5, 10**400).map(str) | st.floats().map(str)
 
 
+#: How many examples of the batching defaults were refused at start and how many were served.
+BATCH_ENV_EXAMPLES = {"refused": 0, "served": 0}
+
+
 @settings(FUZZ_SETTINGS, max_examples=400)
 @given(env=st.fixed_dictionaries({}, optional={
     "DEFAULT_BATCH_SIZE": env_values, "DEFAULT_MIN_BATCH_SIZE": env_values,
@@ -711,15 +715,16 @@ env_values = st.sampled_from(ENV_NUMBERS) | st.integers(-5, 10**400).map(str) | 
 @example(env={"DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "nan"}, answer=Answer("sse", events=6))
 @example(env={"DEFAULT_BATCH_SIZE": "1" + "0" * 400, "DEFAULT_MIN_BATCH_SIZE": "1" + "0" * 400},
          answer=Answer("sse", events=2))
-def test_batch_defaults_from_the_environment(
-    harness: Harness, env: dict[str, str], answer: Answer
-) -> None:
+def serve_with_batch_defaults(harness: Harness, env: dict[str, str], answer: Answer) -> None:
     # The worker's own batching defaults come from the environment: a value is either
     # refused at start (ConfigError, reported as startup_error) or safe for every stream.
     try:
         worker_settings = Settings.from_env({**env, "VLLM_PORT": str(PORT)})
     except ConfigError:
+        BATCH_ENV_EXAMPLES["refused"] += 1
+        event("refused at start")
         return
+    BATCH_ENV_EXAMPLES["served"] += 1
     proxy = Proxy(worker_settings, served_model=MODEL, transport=httpx.MockTransport(
         harness.backend))
     try:
@@ -727,3 +732,12 @@ def test_batch_defaults_from_the_environment(
     finally:
         harness.loop.run_until_complete(proxy.aclose())
     check_answer(items, answer, harness.backend.requests[0])
+
+
+def test_batch_defaults_from_the_environment(harness: Harness) -> None:
+    """The examples above, and how many got past the start: a run where every value was
+    refused would check no stream at all."""
+    BATCH_ENV_EXAMPLES.update(refused=0, served=0)
+    serve_with_batch_defaults(harness=harness)
+    assert BATCH_ENV_EXAMPLES["served"] >= 100, BATCH_ENV_EXAMPLES
+    assert BATCH_ENV_EXAMPLES["refused"] >= 10, BATCH_ENV_EXAMPLES

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +85,86 @@ def test_plain_pypi_has_no_cpu_torch_so_the_index_would_be_added(
     for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL"):
         monkeypatch.delenv(name, raising=False)
     assert torch_index.pip_finds(vllm_python, torch_index.DEFAULT_REQUIREMENT) is False
+
+
+# -- what the README's two commands need of the machine (scripts/prerequisites.sh) ------------
+def prerequisites(tmp_path: Path, python: str, libnuma: bool, *args: str
+                  ) -> subprocess.CompletedProcess[str]:
+    """The script, copied into an empty checkout (no .venv yet), with a file system whose
+    library folders hold libnuma or not; it only reports (it never installs here)."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "prerequisites.sh", checkout / "scripts")
+    system = tmp_path / "system"
+    (system / "usr" / "lib" / "x86_64-linux-gnu").mkdir(parents=True)
+    if libnuma:
+        (system / "usr" / "lib" / "x86_64-linux-gnu" / "libnuma.so.1").touch()
+    env = {"PATH": os.environ["PATH"], "PYTHON": python, "PREREQUISITES_ROOT": str(system),
+           "PREREQUISITES_NO_INSTALL": "1"}
+    return subprocess.run(["bash", str(checkout / "scripts" / "prerequisites.sh"), *args],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def python_answering(tmp_path: Path, version: str, has_venv: bool) -> str:
+    """An interpreter of ``version`` with or without the venv module's ensurepip (Debian's
+    python3 without python3-venv)."""
+    script = tmp_path / "python"
+    old = tuple(map(int, version.split("."))) < (3, 11)
+    script.write_text(
+        "#!/bin/sh\ncase \"$*\" in\n"
+        f"  *ensurepip*) exit {0 if has_venv else 1} ;;\n"
+        f"  *print*) echo {version} ;;\n"
+        f"  *version_info*) exit {1 if old else 0} ;;\n"
+        "esac\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+SUDO = "" if os.getuid() == 0 else "sudo "
+
+
+def test_the_prerequisites_pass_on_a_machine_that_has_them(tmp_path: Path) -> None:
+    done = prerequisites(tmp_path, sys.executable, True, "run_local.sh")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
+@pytest.mark.parametrize(("version", "has_venv", "libnuma", "line"), [
+    ("3.11", False, True,
+     "run_local.sh: missing venv for {python}: {sudo}apt-get install -y python3.11-venv"),
+    ("3.12", True, False,
+     "run_local.sh: missing libnuma (vLLM's CPU build loads it): "
+     "{sudo}apt-get install -y libnuma1"),
+    ("3.12", False, False,
+     "run_local.sh: missing venv for {python}, libnuma (vLLM's CPU build loads it): "
+     "{sudo}apt-get install -y python3.12-venv libnuma1"),
+    ("3.9", True, False,
+     "run_local.sh: missing Python 3.11 or newer ({python} is 3.9), libnuma (vLLM's CPU build "
+     "loads it): {sudo}apt-get install -y libnuma1; set PYTHON to a Python 3.11 or newer"),
+])
+def test_what_is_missing_is_said_in_one_line_with_its_install_command(
+    tmp_path: Path, version: str, has_venv: bool, libnuma: bool, line: str
+) -> None:
+    python = python_answering(tmp_path, version, has_venv)
+    done = prerequisites(tmp_path, python, libnuma, "run_local.sh")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == line.format(python=python, sudo=SUDO) + "\n"
+
+
+def test_the_image_tests_need_debootstrap_and_unshare(tmp_path: Path) -> None:
+    done = prerequisites(tmp_path, sys.executable, True, "test.sh", "--image")
+    if os.getuid() == 0 and shutil.which("debootstrap") and shutil.which("unshare"):
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == 1
+    assert done.stderr.startswith("test.sh: missing ") and done.stderr.count("\n") == 1
+    if shutil.which("debootstrap") is None:
+        assert "debootstrap (the image tests)" in done.stderr
+        assert "apt-get install -y debootstrap" in done.stderr
+
+
+def test_the_readmes_commands_check_the_prerequisites_first() -> None:
+    for script, call in (("run_local.sh", "bash scripts/prerequisites.sh run_local.sh\n"),
+                         ("test.sh", "bash scripts/prerequisites.sh test.sh $image\n")):
+        text = (ROOT / "scripts" / script).read_text()
+        assert call in text, script
+        assert text.index(call) < text.index("bash scripts/setup.sh"), script

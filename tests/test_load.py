@@ -288,6 +288,10 @@ def test_8_concurrent_streams_on_real_vllm_count_every_token(queue_worker: Servi
     for early in queue_worker.early:
         job_api.wait_done(early, timeout=180)
     [api_server] = worker.vllm_pids()
+    # vLLM leads its own process group in the worker's session: no scheduling group of its
+    # own where Linux's autogroup is on, which held these streams whole (issue 41).
+    assert os.getpgid(api_server) == api_server != os.getpgid(worker.pid)
+    assert os.getsid(api_server) == os.getsid(worker.pid)
     os.kill(api_server, signal.SIGSTOP)
     try:
         ids = [

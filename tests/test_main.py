@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -11,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.worker_process import ROOT, base_env
+from tests import docs
+from tests.test_readme import commands
+from tests.worker_process import ROOT, WorkerProcess, base_env
 from worker.main import open_port_warning
 
 
@@ -49,9 +52,10 @@ def test_dry_run_prints_the_command_and_where_each_flag_came_from() -> None:
 def test_dry_run_names_the_flag_a_typo_probably_meant() -> None:
     result = run_worker("--dry-run", env={"MODEL_NAME": "m", "MAX_MODEL_LENGTH": "8192"})
     assert result.returncode == 0, result.stderr
-    assert "--max-model-len" not in result.stdout
-    assert ("warning: MAX_MODEL_LENGTH is ignored: it is no flag of vLLM 0.32.0 and no setting "
-            "of the worker; did you mean MAX_MODEL_LEN (--max-model-len)?") in result.stderr
+    assert "--max-model-len 8192" not in result.stdout  # the typo sets nothing: vLLM fits it
+    assert "--max-model-len auto" in result.stdout
+    assert ("warning: MAX_MODEL_LENGTH is ignored: it is neither a flag of vLLM 0.32.0 nor a "
+            "setting of the worker; did you mean MAX_MODEL_LEN (--max-model-len)?") in result.stderr
 
 
 def test_an_api_key_in_extra_args_is_refused_without_echoing_it() -> None:
@@ -140,6 +144,41 @@ def test_test_input_that_is_no_job_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 2 and '{"input": {"prompt": "Hello"}}' in done.stderr
 
 
+#: The docs' --test_input command (docs/jobs.md), as written but for its model.
+DOCS_TEST_INPUT = ("MODEL_NAME=Qwen/Qwen3-0.6B .venv/bin/python -m worker --test_input "
+                   '\'{"input": {"prompt": "Hello", "sampling_params": {"max_tokens": 8}}}\'')
+
+
+@pytest.mark.vllm
+def test_the_docs_test_input_command_answers_on_the_real_vllm(
+    worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The command of the docs, run by bash in the repository, on the CPU vLLM serving the
+    tiny model (its environment; the docs' MODEL_NAME replaced by it): vLLM starts, the job's
+    result is the last line on stdout, and the worker exits 0 with no vLLM process left."""
+    shown = [command for block in docs.blocks("bash") for command in commands(block)
+             if "--test_input" in command]
+    assert shown == [DOCS_TEST_INPUT]
+    model = worker_env["MODEL_NAME"]
+    line = DOCS_TEST_INPUT.replace("MODEL_NAME=Qwen/Qwen3-0.6B", f"MODEL_NAME={shlex.quote(model)}")
+    out = tmp_path / "stdout"
+    # A WorkerProcess (its log: stderr), so that the suite's report counts its launch of vLLM.
+    worker = WorkerProcess(["bash", "-c", f"{line} > {shlex.quote(str(out))}"],
+                           {**base_env(), **worker_env}, log_path=tmp_path / "worker.log")
+    try:
+        assert worker.wait(600) == 0, worker.log()[-3000:]
+        assert len(worker.vllm_pids()) == 1  # one start of vLLM, stopped with the worker
+        assert worker.vllm_processes_left() == []
+    finally:
+        worker.kill()
+    assert "vLLM healthy after" in worker.log()
+    result = json.loads(out.read_text().strip().splitlines()[-1])
+    assert (result["status"], result["id"]) == ("COMPLETED", "local_test"), result
+    [completion] = result["output"]
+    assert completion["object"] == "text_completion" and completion["model"] == model
+    assert 1 <= completion["usage"]["completion_tokens"] <= 8
+
+
 # -- http mode: a plain pod ----------------------------------------------------------------
 @pytest.mark.parametrize(
     ("env", "pod"),
@@ -166,7 +205,8 @@ def exec_http_mode(**env: str) -> subprocess.CompletedProcess[str]:
 def test_http_mode_without_a_key_warns_at_start() -> None:
     done = exec_http_mode(RUNPOD_POD_ID="abc123", MAX_MODEL_LENGTH="8192")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["serve", "org/m", "--host", "0.0.0.0", "--port", "8123"]
+    assert done.stdout.split() == ["serve", "org/m", "--max-model-len", "auto", "--host",
+                                   "0.0.0.0", "--port", "8123"]
     assert "WARNING worker: VLLM_API_KEY is not set" in done.stderr
     assert "https://abc123-8123.proxy.runpod.net" in done.stderr
     assert "did you mean MAX_MODEL_LEN (--max-model-len)?" in done.stderr  # the start says it

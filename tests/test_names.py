@@ -38,6 +38,7 @@ from worker.config.names import (
     speculative_config_hint,
 )
 from worker.config.settings import WORKER_SETTING_NAMES
+from worker.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,15 +208,20 @@ def test_no_name_the_worker_handles_gets_a_guess(catalog: FlagCatalog) -> None:
     set on its own, is a flag or its own warning: never a "did you mean"."""
     names = {env_name(option) for flag in catalog for option in flag.option_strings
              if option.startswith("--")} | set(RETIRED) | set(EARLIER_NAMES)
-    guessed = []
+    guessed, built, refused = [], 0, []
     for name in sorted(names):
         try:
             command = build_command({"MODEL_NAME": "m", name: "1"}, catalog,
                                     file_exists=lambda path: False)
-        except Exception:  # a value the flag refuses: it was read as the flag
+        except ConfigError as error:  # a value the flag refuses: it was read as the flag
+            refused.append(error.message)
+            assert error.message.startswith(f"{name}="), error.message
             continue
+        built += 1
         guessed += [w for w in command.warnings if "did you mean" in w]
     assert guessed == []
+    # "1" is a value most flags take: the check above ran on most names, not on none.
+    assert built > len(names) // 2, refused
 
 
 @pytest.mark.vllm

@@ -14,6 +14,9 @@ import pytest
 from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi
 from tests.serving import SECRETS, Serving
+from worker.config.command import build_command
+from worker.config.flags import FlagCatalog, packaged_catalog_path
+from worker.secrets import MASK, SecretMasker, is_secret_name
 from worker.start.supervisor import group_members
 
 
@@ -103,3 +106,29 @@ def test_an_unrecognised_failure_printing_the_token_leaks_nothing(
     assert worker.wait(30) != 0
     assert_no_secret(json.dumps(record.done), "a job result")
     assert_no_secret(worker.log(), "the worker's log")
+
+
+# -- which names hold a secret (docs/configuration.md: "Secret-looking names") -----------
+@pytest.mark.parametrize("name", [
+    "HF_TOKEN", "GITHUBTOKEN", "PAYMENT_KEY", "OPENAI_APIKEY", "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY", "DB_SECRET", "CLIENTSECRET", "DB_PASSWORD", "DBPASSWORD",
+    "SMTP_PASS", "MYSQL_PASSWD", "GOOGLE_APPLICATION_CREDENTIALS", "VLLM_API_KEY",
+])
+def test_a_secret_looking_name_is_masked_and_never_a_flag(name: str) -> None:
+    assert is_secret_name(name) and is_secret_name(name.lower())
+    value = "s3cr3t-value"
+    masker = SecretMasker.from_env({name: value, "OTHER": "visible"})
+    assert masker.mask(f"a={value} b=visible") == f"a={MASK} b=visible"
+    command = build_command({"MODEL_NAME": "org/model", name: value},
+                            FlagCatalog.load(packaged_catalog_path()),
+                            baked_args_path="/nonexistent", config_default="/nonexistent")
+    assert value not in " ".join(command.argv)
+
+
+@pytest.mark.parametrize("name", [
+    "MAX_TOKENS", "TOKENIZER", "TOKENIZER_MODE", "MAX_NUM_BATCHED_TOKENS",
+    "LONG_PREFILL_TOKEN_THRESHOLD", "ALLOW_CREDENTIALS", "SSL_KEYFILE", "BYPASS_CACHE",
+    "COMPASS_URL", "PASSTHROUGH", "PWD", "MODEL_NAME",
+])
+def test_a_name_that_only_looks_secret_is_not(name: str) -> None:
+    assert not is_secret_name(name)

@@ -39,10 +39,26 @@ def test_each_job_gets_its_own_marks_once_each() -> None:
     assert set(b) == {"job", "taken", "first_event", "ended"}
 
 
+class RecordingFile(io.StringIO):
+    """A file that keeps every text written to it, readable after it is closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.written.append(text)
+        return super().write(text)
+
+
 def test_a_closed_file_takes_no_line() -> None:
-    out = io.StringIO()
-    out.close()
-    timeline.write(out, timeline.JobTimeline("c", 1.0))  # the job loop ended: no error
+    closed, line = RecordingFile(), timeline.JobTimeline("c", 1.0)
+    closed.close()
+    timeline.write(closed, line)  # the job loop ended: no error, and no write tried
+    assert closed.written == [] and line.ended is not None
+    opened = RecordingFile()
+    timeline.write(opened, timeline.JobTimeline("d", 1.0))
+    assert [json.loads(text)["job"] for text in opened.written] == ["d"]
 
 
 def test_the_file_is_an_internal_setting_off_by_default() -> None:

@@ -1,9 +1,12 @@
 """Keep secrets out of argv, logs and job results.
 
-A value is secret when its environment variable's name says so (``HF_TOKEN``, ``*_TOKEN``,
-``*_KEY``, ``*_SECRET``, ``*PASSWORD*``, ...) or when it follows a flag that carries one
-(``--api-key``, ``--hf-token``). :class:`SecretMasker` replaces every occurrence of such a
-value in any text with ``***``.
+A value is secret when its environment variable's name says so or when it follows a flag that
+carries one (``--api-key``, ``--hf-token``). A name says so when it holds ``PASSWORD``,
+``PASSWD``, ``SECRET`` or ``CREDENTIAL`` anywhere (``DBPASSWORD``, ``CLIENTSECRET``), or when
+one of its ``_``-separated words is ``PASS`` or ends with ``TOKEN`` or ``KEY`` (``SMTP_PASS``,
+``HF_TOKEN``, ``GITHUBTOKEN``, ``OPENAI_APIKEY``); counts and switches that only look so
+(``MAX_TOKENS``, ``TOKENIZER``, ``*_TOKEN_THRESHOLD``, ``ALLOW_CREDENTIALS``) are not.
+:class:`SecretMasker` replaces every occurrence of such a value in any text with ``***``.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 MASK = "***"
 
-_SECRET_NAME = re.compile(
-    r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)($|_)|API_?KEY|ACCESS_KEY", re.IGNORECASE
-)
+#: Anywhere in a name (``DBPASSWORD``, ``AWS_SECRET_ACCESS_KEY``).
+_SECRET_ANYWHERE = ("PASSWORD", "PASSWD", "SECRET", "CREDENTIAL")
+#: A whole ``_``-separated word of a name (``SMTP_PASS``; not ``BYPASS``).
+_SECRET_WORDS = frozenset({"PASS"})
+#: The end of a ``_``-separated word of a name (``HF_TOKEN``, ``GITHUBTOKEN``, ``APIKEY``).
+_SECRET_WORD_ENDS = ("TOKEN", "KEY")
 # Flags of `vllm serve` whose value is a secret (must never be in argv; masked if it is).
 SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "--ssl-keyfile-password"})
 # Values this short are too likely to occur by chance in ordinary text to be masked safely.
@@ -32,7 +38,10 @@ def is_secret_name(name: str) -> bool:
     upper = name.upper()
     if upper in _NOT_SECRET or any(part in upper for part in _NOT_SECRET_PARTS):
         return False
-    return bool(_SECRET_NAME.search(upper))
+    if any(word in upper for word in _SECRET_ANYWHERE):
+        return True
+    return any(word in _SECRET_WORDS or word.endswith(_SECRET_WORD_ENDS)
+               for word in upper.split("_"))
 
 
 class SecretMasker:

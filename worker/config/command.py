@@ -291,8 +291,8 @@ def _explain_ignored(
         flag = catalog.by_env_name(meant)
         what = ALIASES.get(meant) or (flag.name if flag is not None else "a setting of the worker")
         warnings.append(
-            f"{var} is ignored: it is no flag of vLLM {catalog.version} and no setting of the "
-            f"worker; did you mean {meant} ({what})?"
+            f"{var} is ignored: it is neither a flag of vLLM {catalog.version} nor a setting "
+            f"of the worker; did you mean {meant} ({what})?"
         )
 
 
@@ -327,8 +327,8 @@ def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag 
             )
         elif var in EARLIER_NAMES:
             warnings.append(
-                f"{var} is ignored: it is no flag of vLLM {catalog.version} and no setting of "
-                f"this worker (the earlier worker's name); {EARLIER_NAMES[var]}"
+                f"{var} is ignored: it is neither a flag of vLLM {catalog.version} nor a "
+                f"setting of this worker (the earlier worker's name); {EARLIER_NAMES[var]}"
             )
         else:
             return None, "unknown"

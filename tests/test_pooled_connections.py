@@ -1,4 +1,5 @@
-"""The worker's pooled connections to vLLM, through the REAL runpod SDK loop and process.
+"""The worker's pooled connections to vLLM, through the REAL runpod SDK loop and process, against
+the stand-in vLLM (no real vLLM starts here).
 
 vLLM's uvicorn answers 500 to an exception a route lets escape (its LoRA resolver's, for a
 repo the Hub does not have), logs the traceback, and only then closes that connection. The
