@@ -826,6 +826,16 @@ def test_diagnose(case: Case) -> None:
 OOM = fixture("assembled_gpu_cuda_oom_profile_run.log")
 
 
+def test_a_list_after_vllms_message_is_not_quoted_cut_after_its_first_number() -> None:
+    """vLLM's missing repo: "... specified: '<repo>'.\nPlease verify the following
+    requirements:\n1. Provide ...": the quote ends with the repo, not with "requirements: 1."."""
+    diagnosis = diagnose(fixture("hub_repo_not_found.log"), 1, launch_of(MODEL_ENV))
+    assert diagnosis is not None
+    assert diagnosis.cause.endswith(
+        "(vLLM: Invalid repository ID or local directory specified: "
+        "'Qwen/Qwen3-0.6B-Instrukt'.)."), diagnosis.cause
+
+
 def test_the_list_of_supported_architectures_is_not_repeated() -> None:
     diagnosis = diagnose(fixture("unsupported_architecture.log"), 1, launch_of())
     assert diagnosis is not None

@@ -77,9 +77,15 @@ def full_stop(text: str) -> str:
 
 
 def _sentences(text: str, count: int) -> str:
-    """The first ``count`` sentences (vLLM's messages put the facts first, advice after)."""
+    """The first ``count`` sentences (vLLM's messages put the facts first, advice after),
+    less a list's opening cut after its first number (``Please verify the following
+    requirements: 1.``)."""
     ends = [m.end() for m in re.finditer(r"(?<!')[.!?](?=\s+[A-Z(`'\"]|$)|(?=\n)", text)]
-    return text[: ends[count - 1]] if len(ends) >= count else text
+    first = text[: ends[count - 1]] if len(ends) >= count else text
+    return _LIST_OPENING.sub("", first) or first
+
+
+_LIST_OPENING = re.compile(r"\s*[^.!?]*:\s*1\.$")
 
 
 def _is_path(name: str) -> bool:
