@@ -16,8 +16,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +25,7 @@ from worker.config.settings import Settings
 from worker.errors import ConfigError
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
+from worker.start.gpus import query_gpu_memory
 
 logger = logging.getLogger("worker")
 
@@ -115,14 +114,8 @@ def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) 
 
 
 def has_gpu() -> bool:
-    """An NVIDIA GPU answers `nvidia-smi -L`."""
-    if shutil.which("nvidia-smi") is None:
-        return False
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20,
-                              check=False).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+    """An NVIDIA GPU answers nvidia-smi (the weight check's query of it)."""
+    return not isinstance(query_gpu_memory(), str)
 
 
 def local_sdk_args(settings: Settings, sdk_args: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from xml.etree import ElementTree
 import httpx
 
 from worker.config.sources import ObjectUri
+from worker.model.object_store import object_store_access
 
 __all__ = ["canonical_query", "list_objects", "signed_headers"]
 
@@ -88,8 +89,9 @@ def list_objects(
     key_id, secret = value("AWS_ACCESS_KEY_ID"), value("AWS_SECRET_ACCESS_KEY")
     if not (key_id and secret):
         return "no AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to list the bucket with"
-    region = value("AWS_REGION") or value("AWS_DEFAULT_REGION") or "us-east-1"
-    endpoint = (value("AWS_ENDPOINT_URL_S3") or value("AWS_ENDPOINT_URL")).rstrip("/")
+    access = object_store_access(env)  # the endpoint and region vLLM's S3 clients read
+    region = access.region or "us-east-1"
+    endpoint = (access.endpoint or "").rstrip("/")
     url = (f"{endpoint}/{uri.bucket}" if endpoint
            else f"https://{uri.bucket}.s3.{region}.amazonaws.com/")
     prefix = f"{uri.prefix}/" if uri.prefix else ""

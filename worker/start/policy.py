@@ -48,8 +48,8 @@ __all__ = [
     "TimedOut",
     "WaitForHub",
     "decide",
-    "fitted_context",
     "hub_retry_delay",
+    "relaunch_at_fitted_context",
     "smaller_footprint",
 ]
 
@@ -188,7 +188,7 @@ def decide(
             kind=diagnosis.kind, exit_code=attempt.exit_code,
             logs=logs_for_jobs(attempt.log_tail, attempt.exit_code)))
     if not tried:
-        if (fitted := fitted_context(diagnosis, start)) is not None:
+        if (fitted := relaunch_at_fitted_context(diagnosis, start)) is not None:
             return fitted
         if (oom_relaunch and diagnosis.recoverable_by_smaller_footprint
                 and (smaller := smaller_footprint(start))):
@@ -225,7 +225,7 @@ def hub_unreachable(attempt: HubDown, start: Start) -> HubUnreachable:
     return HubUnreachable(message.message, kind=message.kind, endpoint=attempt.outage.endpoint)
 
 
-def fitted_context(diagnosis: Diagnosis, start: Start) -> Relaunch | None:
+def relaunch_at_fitted_context(diagnosis: Diagnosis, start: Start) -> Relaunch | None:
     """The relaunch at the context vLLM said fits, for a start whose context the worker fits
     by relaunching (MAX_MODEL_LEN unset, a vLLM without ``--max-model-len auto``)."""
     context = start.command.context
