@@ -14,6 +14,8 @@ text between them is replaced. The sources, in docs/configuration.md:
 * ``reserved``: the flags the worker pins or refuses (:mod:`worker.config.command`);
 * ``retired``: :data:`worker.config.names.RETIRED` (variables of flags vLLM removed);
 * ``earlier``: :data:`worker.config.names.EARLIER_NAMES` (names the earlier worker read itself);
+* ``versions``: the flags that some vLLM of the supported range lacks, from the packaged
+  catalogs (:mod:`worker.config.versions`), with the versions that have each;
 
 and in docs/jobs.md:
 
@@ -41,13 +43,19 @@ from worker.config.command import (  # noqa: E402 - after the path set-up above
     PINNED_FLAGS,
 )
 from worker.config.flags import FlagCatalog, packaged_catalog_path  # noqa: E402
-from worker.config.names import EARLIER_NAMES, RETIRED  # noqa: E402
+from worker.config.names import COLLIDING_NAMES, EARLIER_NAMES, RETIRED  # noqa: E402
 from worker.config.request_fields import (  # noqa: E402
     DOCUMENTED_SAMPLING_PARAMS,
     GUIDED_FIELDS,
     RETIRED_FIELDS,
+    RequestKind,
 )
 from worker.config.settings import SETTINGS, Setting, format_value  # noqa: E402
+from worker.config.versions import (  # noqa: E402
+    history_of,
+    packaged_history,
+    packaged_versions,
+)
 
 DOCS = ROOT / "docs"
 
@@ -149,6 +157,35 @@ def sampling_params_table() -> str:
                   rows)
 
 
+def versions_table() -> str:
+    """The flags not in every packaged catalog: their variable, and the versions with them."""
+    history = packaged_history()
+    every = frozenset(history.versions)
+    # Not the flags the worker never sets from a variable, nor other programs' names.
+    never = {name for name in history.options if name in COLLIDING_NAMES or any(
+        history.options[name].startswith(flag) for flag in
+        (*PINNED_FLAGS, *FORBIDDEN_FLAGS, *_FORBIDDEN_PREFIXES))}
+    rows = [(f"`{var}`", f"`{history.options[var]}`", ", ".join(history.spans(var)))
+            for var in sorted(history.having) if history.having[var] != every
+            and var not in never]
+    return _table(("Variable", "Flag", "vLLM versions that have it"), rows)
+
+
+def version_fields_table() -> str:
+    """The request fields of a prompt or messages job not read by every packaged vLLM."""
+    catalogs = {v: FlagCatalog.load(packaged_catalog_path(v)) for v in packaged_versions()}
+    jobs: tuple[tuple[RequestKind, str], ...] = (("completion", "prompt"), ("chat", "messages"))
+    rows = []
+    for kind, job in jobs:
+        fields = history_of({version: [(name, name) for name in catalog.request_fields.of(kind)]
+                             for version, catalog in catalogs.items()
+                             if catalog.request_fields is not None})
+        every = frozenset(fields.versions)
+        rows += [(f"`{name}`", job, ", ".join(fields.spans(name)))
+                 for name in sorted(fields.having) if fields.having[name] != every]
+    return _table(("Field", "Job", "vLLM versions that read it"), rows)
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
     "internal-settings": internal_settings_table,
@@ -156,11 +193,12 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "reserved": reserved_table,
     "retired": retired_table,
     "earlier": earlier_table,
+    "versions": versions_table,
 }
 #: The pages with generated tables, and their tables.
 PAGES: dict[str, dict[str, Callable[[], str]]] = {
     "configuration.md": SECTIONS,
-    "jobs.md": {"sampling-params": sampling_params_table},
+    "jobs.md": {"sampling-params": sampling_params_table, "version-fields": version_fields_table},
 }
 
 

@@ -6,6 +6,9 @@ this repository's Dockerfile on top of it, on a machine without Docker, a GPU or
     scripts/make_base_image.py run buildah images   # any command inside the builder
     scripts/make_base_image.py run --builder bookworm buildah version   # ... of Debian 12
 
+A third root filesystem, a clean Debian 12 with Debian's ``python3`` alone (:func:`fresh_rootfs`),
+is the fresh machine on which tests/test_fresh_machine.py runs the README's first command.
+
 Both are made from packages alone (Debian's and PyPI's) and kept per machine under
 ``WORKER_IMAGE_CACHE`` (default ``/var/tmp/worker-vllm-image``); a second run only checks.
 Needs root and ``debootstrap`` (``apt-get install -y debootstrap``); ``unshare`` and
@@ -354,6 +357,29 @@ def build_base(builder: Builder, version: str) -> list[str]:
         shutil.rmtree(work)
         log(f"base {', '.join(tags)} built in {time.monotonic() - started:.0f} s")
     return tags
+
+
+#: A clean Debian 12 with Debian's python3 alone: the fresh machine of the README's first
+#: command (tests/test_fresh_machine.py runs scripts/run_local.sh in a copy of it).
+FRESH_SUITE = "bookworm"
+FRESH_PACKAGES = ("python3",)
+
+
+def fresh_rootfs() -> Path:
+    """The clean root filesystem (made once per machine, as the builders are)."""
+    root = CACHE / f"fresh-{FRESH_SUITE}"
+    stamp = root / ".worker-vllm-fresh"
+    wanted = " ".join(FRESH_PACKAGES)
+    if stamp.exists() and stamp.read_text() == wanted:
+        return root
+    with locked(f"fresh-{FRESH_SUITE}"):
+        if not (stamp.exists() and stamp.read_text() == wanted):
+            started = time.monotonic()
+            debootstrap(FRESH_SUITE, root, FRESH_PACKAGES)
+            shutil.rmtree(root / "var" / "cache" / "apt" / "archives", ignore_errors=True)
+            stamp.write_text(wanted)
+            log(f"fresh {FRESH_SUITE} ready in {time.monotonic() - started:.0f} s")
+    return root
 
 
 def main(argv: Sequence[str] | None = None) -> int:

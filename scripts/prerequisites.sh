@@ -7,7 +7,7 @@
 #   * a Python 3.11 or newer (PYTHON, default python3) that can make a virtual environment
 #     (Debian's python3 cannot without python3-venv), unless .venv and .venv-vllm exist;
 #   * libnuma, which vLLM's CPU build loads at import (without it vLLM exits at once:
-#     tests/data/failure_logs/cpu_libnuma_missing.log);
+#     tests/data/failure_logs/0.32.0/cpu_libnuma_missing.log);
 #   * with --image (the image tests, tests/test_image.py): root, debootstrap and unshare.
 #
 # Run as root on a machine with apt-get, it installs the packages that are missing (as .ci/run
@@ -72,9 +72,17 @@ fi
 if [ ${#advice[@]} -eq 0 ] && [ "$(id -u)" -eq 0 ] && [ "${PREREQUISITES_NO_INSTALL:-}" != 1 ] \
     && command -v apt-get >/dev/null 2>&1; then
   echo "$name: installing ${packages[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
-  exit 0
+  # apt's output is kept, and shown only when it fails (with why).
+  apt_log=$(mktemp)
+  if apt-get update -qq >"$apt_log" 2>&1 \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >>"$apt_log" 2>&1; then
+    rm -f "$apt_log"
+    exit 0
+  fi
+  tail -n 20 "$apt_log" >&2
+  rm -f "$apt_log"
+  echo "$name: installing ${packages[*]} failed (apt-get's last lines above)" >&2
+  exit 1
 fi
 
 sudo=""

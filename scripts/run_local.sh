@@ -26,7 +26,8 @@ export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
 export WORKER_PYTHON=$PWD/.venv/bin/python
 port=${PORT:-8000}
 cat <<MSG
-Starting the worker; once it says "taking jobs", send a job from another shell:
+Starting the worker; once it says "Uvicorn running on http://127.0.0.1:$port", send a job
+from another shell:
 
   curl -s http://127.0.0.1:$port/runsync -H 'Content-Type: application/json' \\
     -d '{"input": {"prompt": "Hello", "sampling_params": {"max_tokens": 8}}}'

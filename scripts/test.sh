@@ -4,14 +4,16 @@
 # tier (no vLLM, no image, no soak: the loop to work in)
 # `scripts/test.sh -m "not vllm and not image and not soak"`.
 #
-# Without arguments, the whole suite runs as two sessions. The tests that need nothing of
+# Without arguments, the whole suite runs as three sessions. The tests that need nothing of
 # .venv-vllm (not `vllm`, not `image`: the quick tier and the soak against a stand-in vLLM;
-# the markers say so, tests/suite_report.py) start as soon as .venv is installed, while vLLM
-# installs, the soak first (the longest); their output is kept and printed at the end. The
+# the markers say so, tests/suite_report.py; and the fresh machine's run of
+# scripts/run_local.sh) start as soon as .venv is installed, while vLLM installs, the longest
+# first; their output is kept and printed at the end. The
 # rest (real vLLM, the image) starts once vLLM is installed, one test at a time, so that no
-# two vLLMs run at once.
+# two vLLMs run at once, while the oldest vLLM of the supported range installs; the tests on
+# that one (marker oldest_vllm) run last, as a third session.
 # Each test's time is kept in .test-results/*.xml; the run ends with the 20 slowest tests and
-# the time of every file over both sessions (tests/suite_report.py).
+# the time of every file over the sessions (tests/suite_report.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
@@ -25,27 +27,47 @@ if [ $# -gt 0 ] && { [[ " $* " != *image* ]] || [[ " $* " == *"not image"* ]]; }
 fi
 bash scripts/prerequisites.sh test.sh $image
 if [ $# -gt 0 ]; then
-  bash scripts/setup.sh
+  bash scripts/setup.sh --all
   exec .venv/bin/python -m pytest --junitxml=.test-results/junit.xml "$@"
 fi
 
-beside="not vllm and not image"
+# The first session also runs the README's first command on a fresh Debian 12 (marker
+# fresh_machine, tests/test_fresh_machine.py: minutes of installs of its own, which need
+# nothing of .venv-vllm), first, then the soak.
+beside="(not vllm and not image) or fresh_machine"
 rm -f .test-results/*.xml .test-results/*.json .test-results/*.log
 bash scripts/setup.sh --vllm &
 vllm_setup=$!
 trap 'kill "$vllm_setup" 2>/dev/null || true' EXIT
 bash scripts/setup.sh --worker
-soak_first=(tests/test_soak.py)
-for file in tests/test_*.py; do [ "$file" = tests/test_soak.py ] || soak_first+=("$file"); done
+soak_first=(tests/test_fresh_machine.py tests/test_soak.py)
+for file in tests/test_*.py; do
+  [[ " ${soak_first[*]} " == *" $file "* ]] || soak_first+=("$file")
+done
 WORKER_TEST_TIMES=.test-results/no-vllm.json .venv/bin/python -m pytest -m "$beside" \
   "${soak_first[@]}" --junitxml=.test-results/no-vllm.xml > .test-results/no-vllm.log 2>&1 &
 no_vllm=$!
 trap 'kill "$vllm_setup" "$no_vllm" 2>/dev/null || true' EXIT
 
 rest=0
+oldest=0
 if wait "$vllm_setup"; then
-  WORKER_TEST_TIMES=.test-results/rest.json .venv/bin/python -m pytest -m "not ($beside)" \
+  # The oldest vLLM of the supported range installs while the rest runs (its tests, marked
+  # oldest_vllm, come last, still one vLLM at a time).
+  bash scripts/setup.sh --oldest-vllm > .test-results/oldest-setup.log 2>&1 &
+  oldest_setup=$!
+  trap 'kill "$no_vllm" "$oldest_setup" 2>/dev/null || true' EXIT
+  WORKER_TEST_TIMES=.test-results/rest.json .venv/bin/python -m pytest \
+    -m "not ($beside) and not oldest_vllm" \
     --junitxml=.test-results/rest.xml 2>&1 | tee .test-results/rest.log || rest=$?
+  if wait "$oldest_setup"; then
+    WORKER_TEST_TIMES=.test-results/oldest.json .venv/bin/python -m pytest -m oldest_vllm \
+      --junitxml=.test-results/oldest.xml 2>&1 | tee .test-results/oldest.log || oldest=$?
+  else
+    oldest=$?
+    cat .test-results/oldest-setup.log >&2
+    echo "test.sh: the oldest vLLM's install failed; its tests did not run" >&2
+  fi
 else
   rest=$?
   echo "test.sh: the vLLM install failed; the tests that need it did not run" >&2
@@ -57,7 +79,7 @@ echo
 echo "== the tests that need no vLLM ($beside), run while vLLM installed: their output =="
 cat .test-results/no-vllm.log
 echo
-times=(.test-results/no-vllm.json .test-results/rest.json)
+times=(.test-results/no-vllm.json .test-results/rest.json .test-results/oldest.json)
 existing=()
 for file in "${times[@]}"; do [ -f "$file" ] && existing+=("$file"); done
 if [ ${#existing[@]} -gt 0 ]; then
@@ -67,5 +89,6 @@ outcome() {  # pytest's last line of a session's output, or why there is none
   { grep -E '^=+ .+ in [0-9.]+s' "$1" 2>/dev/null || echo "= did not run ="; } | tail -1 | tr -d '='
 }
 echo "test.sh: without vLLM:$(outcome .test-results/no-vllm.log)(exit status $no_vllm_status);" \
-  "the rest:$(outcome .test-results/rest.log)(exit status $rest)"
-[ "$no_vllm_status" -eq 0 ] && [ "$rest" -eq 0 ]
+  "the rest:$(outcome .test-results/rest.log)(exit status $rest);" \
+  "on the oldest vLLM:$(outcome .test-results/oldest.log)(exit status $oldest)"
+[ "$no_vllm_status" -eq 0 ] && [ "$rest" -eq 0 ] && [ "$oldest" -eq 0 ]

@@ -157,6 +157,21 @@ def vllm_executable() -> str:
 
 
 @pytest.fixture(scope="session")
+def oldest_vllm_executable() -> str:
+    """The `vllm` command of the oldest vLLM of the supported range (OLDEST_VLLM_EXECUTABLE,
+    else .venv-vllm-<version>/bin/vllm: scripts/setup.sh --oldest-vllm installs it)."""
+    from worker.config.versions import OLDEST
+
+    candidate = (os.environ.get("OLDEST_VLLM_EXECUTABLE")
+                 or str(ROOT / f".venv-vllm-{OLDEST}" / "bin" / "vllm"))
+    path = shutil.which(candidate)
+    if path is None:
+        pytest.fail(f"no vLLM {OLDEST} at {candidate}: run scripts/setup.sh --oldest-vllm "
+                    "(or deselect with -m 'not oldest_vllm')")
+    return path
+
+
+@pytest.fixture(scope="session")
 def vllm_python(vllm_executable: str) -> str:
     """The interpreter of the CPU vLLM (it also has torch and transformers)."""
     from worker.start.build import vllm_python as find_python

@@ -17,6 +17,12 @@ A failed job is answered 500 with its error (before a stream began) or ends the 
 an SSE event carrying it. So ``vllm bench serve`` (vLLM's own client) or the ``openai``
 package can be pointed at the worker as at the platform (``base_url`` =
 :attr:`FakePlatform.openai_url`), which is what ``scripts/bench_queue.py`` does.
+
+The queue routes too, under :attr:`FakePlatform.base_url` (what the ``requests_*`` examples
+call ``BASE_URL``): ``POST /run`` queues ``{"input": ...}`` and answers its id,
+``/stream/<id>`` answers the job's state and the outputs it POSTed since the last call,
+``/status/<id>`` its state and, once done, its output or error (as the platform's
+operation reference shows them), ``POST /cancel/<id>`` asks the worker to stop it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class FakePlatform:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._runner: web.AppRunner | None = None
         self._ids = itertools.count(1)
+        self._streamed: dict[str, int] = {}  # job id -> its stream outputs already answered
         # job id -> the queue of (kind, body) its POSTs are handed to, while a client waits
         self._waiting: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
 
@@ -61,6 +68,11 @@ class FakePlatform:
         self._thread.join(30)
 
     @property
+    def base_url(self) -> str:
+        """The endpoint's address of the queue routes (/run, /stream/<id>, ...)."""
+        return f"http://127.0.0.1:{self.port}/v2/{_ENDPOINT}"
+
+    @property
     def openai_url(self) -> str:
         """The OpenAI base URL a client is given (``.../openai/v1``)."""
         return f"http://127.0.0.1:{self.port}/v2/{_ENDPOINT}/openai/v1"
@@ -75,6 +87,10 @@ class FakePlatform:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v2/{endpoint}/openai/v1/{route:.+}", self._openai)
         app.router.add_get("/v2/{endpoint}/openai/v1/{route:.+}", self._openai)
+        app.router.add_post("/v2/{endpoint}/run", self._run_job)
+        app.router.add_route("*", "/v2/{endpoint}/stream/{job}", self._stream_of)
+        app.router.add_route("*", "/v2/{endpoint}/status/{job}", self._status)
+        app.router.add_post("/v2/{endpoint}/cancel/{job}", self._cancel)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         # A burst of clients (vllm bench serve opens --max-concurrency connections at once)
@@ -143,3 +159,45 @@ class FakePlatform:
             if isinstance(output, list) and len(output) == 1:
                 output = output[0]
             return web.json_response(output)
+
+    # -- the queue routes --------------------------------------------------------------
+    async def _run_job(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        job_id = self.api.submit(body["input"], job_id=f"run-{next(self._ids)}")
+        return web.json_response({"id": job_id, "status": "IN_QUEUE"})
+
+    def _state(self, job_id: str) -> tuple[str, Any]:
+        """The job's status and its job-done body (None while it runs)."""
+        record = self.api.jobs[job_id]
+        done = record.done
+        if done is not None:
+            return ("FAILED" if isinstance(done, dict) and "error" in done else "COMPLETED"), done
+        if job_id in self.api.stop_asked:
+            return "CANCELLED", None
+        return ("IN_QUEUE" if record.taken_at is None else "IN_PROGRESS"), None
+
+    async def _stream_of(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["job"]
+        if job_id not in self.api.jobs:
+            return web.json_response({"error": "no such job"}, status=404)
+        status, _ = self._state(job_id)  # before the outputs: none is missed at the end
+        posts = list(self.api.jobs[job_id].stream)
+        start = self._streamed.get(job_id, 0)
+        self._streamed[job_id] = len(posts)
+        return web.json_response({"id": job_id, "status": status, "stream": [
+            {"output": post.get("output")} for post in posts[start:]]})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["job"]
+        if job_id not in self.api.jobs:
+            return web.json_response({"error": "no such job"}, status=404)
+        status, done = self._state(job_id)
+        answer: dict[str, Any] = {"id": job_id, "status": status}
+        if isinstance(done, dict):
+            answer.update({key: done[key] for key in ("output", "error") if key in done})
+        return web.json_response(answer)
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        job_id = request.match_info["job"]
+        self.api.cancel(job_id)
+        return web.json_response({"id": job_id, "status": "CANCELLED"})

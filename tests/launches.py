@@ -26,11 +26,13 @@ def launch_of(
     config: Mapping[str, object] | None = None,
     *,
     baked_args_path: str = NO_BAKED,
+    catalog: FlagCatalog = CATALOG,
 ) -> Launch:
     """The start ``env`` (and a config file at /vllm_config.yaml with ``config``) makes.
 
     Files other than the config file are read from the real file system (a baked model file
-    at ``baked_args_path``, a token file under HF_HOME).
+    at ``baked_args_path``, a token file under HF_HOME). ``catalog``: the vLLM that runs
+    (default 0.32.0's).
     """
     env = dict(env or {})
     files = {CONFIG_PATH: yaml.safe_dump(dict(config))} if config else {}
@@ -50,6 +52,6 @@ def launch_of(
 
     settings = Settings(base_path=env.get("BASE_PATH", "/runpod-volume"),
                         baked_model_file=baked_args_path)
-    builder = Builder(settings, env, catalog_loader=lambda *_: CATALOG, file_exists=exists,
+    builder = Builder(settings, env, catalog_loader=lambda *_: catalog, file_exists=exists,
                       read_text=read_text)
     return builder.launch()

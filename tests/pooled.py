@@ -3,8 +3,8 @@
 
 * ``queue_worker``: a queue worker over the tiny model, for every test that only needs a
   healthy one (the routes, the early jobs, the stalls, the secrets, the load, the OpenAI and
-  Anthropic examples through the stand-in of the platform's /openai/v1 routes);
-  ``retiring_queue_worker`` ends it (vLLM's death).
+  Anthropic examples through the stand-in of the platform's /openai/v1 routes, the batch
+  jobs with their files in ``batch_store``); ``retiring_queue_worker`` ends it (vLLM's death).
 * ``baked_worker``: a model baked into the image (tests/test_e2e_config.py);
   ``retiring_baked_worker`` ends it (a SIGTERM).
 * ``hub_lb``: a load-balancer worker starting from a slow Hub (tests/test_e2e_hub.py watches
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_hub import FakeHub
+from tests.fake_s3 import FakeS3, fake_s3
 from tests.hub_model import REPO, repo_files
 from tests.lb_worker import LbWorker, start_lb_worker
 from tests.serving import SECRETS, Serving, start_serving
@@ -37,7 +38,23 @@ QUEUED_BEFORE_START = (
 )
 
 
-def _start_queue_worker(tiny_env: dict[str, str], factory: pytest.TempPathFactory) -> Serving:
+#: The buckets of ``batch_store``: batch jobs' files (tests/test_e2e_batch.py), and the one
+#: docs/batch.md names.
+BATCH_BUCKETS = ("batches", "my-bucket")
+
+
+@pytest.fixture(scope="session")
+def batch_store() -> Iterator[FakeS3]:
+    """The loopback S3 store whose AWS_* variables the shared queue worker has, for batch
+    jobs' ``batch_url`` and ``output_url``."""
+    with fake_s3() as store:
+        for bucket in BATCH_BUCKETS:
+            store.client().create_bucket(Bucket=bucket)
+        yield store
+
+
+def _start_queue_worker(tiny_env: dict[str, str], factory: pytest.TempPathFactory,
+                        store: FakeS3) -> Serving:
     folder = factory.mktemp("queue-worker")
     config = folder / "vllm.yaml"
     config.write_text("served-model-name: c\n")
@@ -52,6 +69,9 @@ def _start_queue_worker(tiny_env: dict[str, str], factory: pytest.TempPathFactor
         **SECRETS,
         # The served name comes from a config file (tests/test_e2e_config.py).
         "VLLM_CONFIG_FILE": str(config),
+        # Batch jobs (tests/test_e2e_batch.py): their files in the loopback store, and few
+        # lines at once, so that a batch is still running when a test looks.
+        **store.env(), "BATCH_CONCURRENCY": "4",
     }
     return start_serving(env, folder / "worker.log", before=list(QUEUED_BEFORE_START))
 
@@ -61,20 +81,24 @@ pooled("retiring_queue_worker", "queue", ends_it=True)
 
 
 @pytest.fixture
-def queue_worker(tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Serving:
+def queue_worker(tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+                 batch_store: FakeS3) -> Serving:
     """The shared queue worker: ``python -m worker`` (the real SDK loop) over the fake job
     API and the CPU vLLM serving the tiny model (2048 tokens of context, 1 GiB of KV cache,
     REQUEST_TIMEOUT=20, MAX_CONCURRENCY=8, the secrets of tests/serving.py in its
-    environment, its served name ``c`` from a config file, no DEFAULT_MAX_TOKENS)."""
-    return POOL.get("queue", lambda: _start_queue_worker(tiny_env, tmp_path_factory))
+    environment, its served name ``c`` from a config file, no DEFAULT_MAX_TOKENS,
+    BATCH_CONCURRENCY=4, the AWS_* variables of ``batch_store``)."""
+    return POOL.get("queue", lambda: _start_queue_worker(tiny_env, tmp_path_factory,
+                                                         batch_store))
 
 
 @pytest.fixture
 def retiring_queue_worker(
-    tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+    tiny_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, batch_store: FakeS3
 ) -> Iterator[Serving]:
     """The shared queue worker, for a test that ends it (run after its other users)."""
-    serving = POOL.retire("queue", lambda: _start_queue_worker(tiny_env, tmp_path_factory))
+    serving = POOL.retire("queue", lambda: _start_queue_worker(tiny_env, tmp_path_factory,
+                                                                batch_store))
     yield serving
     serving.stop()
 
@@ -91,7 +115,9 @@ def _start_baked_worker(tiny_env: dict[str, str], tiny_model: Path,
     baked.write_text(json.dumps({"MODEL_NAME": str(snapshot), "TOKENIZER_NAME": str(snapshot),
                                  "SERVED_MODEL_NAME": "acme/tiny"}))
     env = {**tiny_env, "BAKED_MODEL_FILE": str(baked), "MODEL_NAME": "acme/not-this-one",
-           "HF_HUB_OFFLINE": ""}
+           "HF_HUB_OFFLINE": "",
+           # tests/test_e2e_failures.py's SIGTERM finds a batch with lines not yet sent.
+           "BATCH_CONCURRENCY": "2"}
     return start_serving(env, folder / "worker.log")
 
 

@@ -34,7 +34,7 @@ TIMES_VARIABLE = "WORKER_TEST_TIMES"
 
 
 #: Fixtures through which a test reaches a tier's slow part, and the markers of that tier.
-TIER_FIXTURES = {"vllm_executable": ("vllm", "image")}
+TIER_FIXTURES = {"vllm_executable": ("vllm", "image"), "oldest_vllm_executable": ("oldest_vllm",)}
 
 # A launch under the worker's supervision, or http mode's exec of `vllm serve`: the line
 # that shows the command, which names the executable (a stand-in's is not the CPU vLLM's).
@@ -79,23 +79,30 @@ def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def real_vllm() -> str | None:
-    """The CPU vLLM's executable, as a launch line names it (tests/conftest.py's)."""
+def real_vllms() -> tuple[str, ...]:
+    """The CPU vLLMs' executables, as a launch line names them (tests/conftest.py's): the
+    default one and the oldest of the supported range."""
     import shutil
 
+    from worker.config.versions import OLDEST
+
     root = Path(__file__).resolve().parents[1]
-    return shutil.which(os.environ.get("VLLM_EXECUTABLE") or str(root / ".venv-vllm/bin/vllm"))
+    candidates = (os.environ.get("VLLM_EXECUTABLE") or str(root / ".venv-vllm/bin/vllm"),
+                  os.environ.get("OLDEST_VLLM_EXECUTABLE")
+                  or str(root / f".venv-vllm-{OLDEST}/bin/vllm"))
+    return tuple(found for candidate in candidates if (found := shutil.which(candidate)))
 
 
 def file_times() -> dict[str, FileTime]:
     """Each file's time and tests, and the vLLM launches of the workers its tests started."""
     files = _by_file(_test_seconds)
-    real = real_vllm()
+    real = real_vllms()
     for path, nodeid in WorkerProcess.started_by:
-        if not path.exists() or not nodeid or real is None:
+        if not path.exists() or not nodeid:
             continue
         log = path.read_text(errors="replace")
-        launches = sum(f"{real} serve" in command for command in _LAUNCHED.findall(log))
+        launches = sum(any(f"{vllm} serve" in command for vllm in real)
+                       for command in _LAUNCHED.findall(log))
         if not launches:
             continue  # a stand-in of vLLM, or no launch
         entry = files[_file_of(nodeid)]

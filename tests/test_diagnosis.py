@@ -1,10 +1,11 @@
-"""Start-up failures of vLLM 0.32 → the diagnosis the user reads.
+"""Start-up failures of vLLM (0.27.1 to 0.32) → the diagnosis the user reads.
 
 Every case is a log tail as the worker keeps it (the last 400 lines). Longer ones live in
 tests/data/failure_logs/ (see the README there: which were captured from real runs of the CPU
-build, which were assembled from vLLM's verbatim message templates). Short ones are built here
-from the same templates, always inside noise that mentions 404s, memory and errors, because a
-diagnosis must come from the root error and nothing else.
+build, in a folder per vLLM version, which were assembled from vLLM 0.32's verbatim message
+templates); a case on a log captured from every version expects the same diagnosis of each.
+Short ones are built here from the same templates, always inside noise that mentions 404s,
+memory and errors, because a diagnosis must come from the root error and nothing else.
 """
 
 from __future__ import annotations
@@ -18,14 +19,24 @@ from pathlib import Path
 import pytest
 
 from tests.launches import launch_of
+from worker.config.flags import FlagCatalog, packaged_catalog_path
 from worker.start.diagnosis import Diagnosis, diagnose
 
 FAILURE_LOGS = Path(__file__).parent / "data" / "failure_logs"
+#: The vLLMs whose failed starts were captured, each in a folder of its version.
+VERSIONS = sorted((path.name for path in FAILURE_LOGS.iterdir() if path.is_dir()),
+                  key=lambda version: tuple(int(part) for part in version.split(".")))
 TAIL = 400
-def fixture(name: str, replace: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The log's tail as the worker keeps it: below the header of ``#`` lines that says how a
-    log was captured (scripts/capture_hub_failures.py writes one), which is not vLLM's."""
-    text = (FAILURE_LOGS / name).read_text(encoding="utf-8")
+
+
+def fixture(name: str, replace: Mapping[str, str] | None = None, *,
+            version: str | None = None) -> tuple[str, ...]:
+    """The log's tail as the worker keeps it: an assembled log (the folder's top), or one
+    captured from the vLLM ``version``; below the header of ``#`` lines that says how a log was
+    captured (scripts/capture_failure_logs.py and capture_hub_failures.py write one), which is
+    not vLLM's."""
+    folder = FAILURE_LOGS if version is None else FAILURE_LOGS / version
+    text = (folder / name).read_text(encoding="utf-8")
     for old, new in (replace or {}).items():
         text = text.replace(old, new)
     lines = text.splitlines()
@@ -170,6 +181,53 @@ class Case:
 MODEL_ENV = {"MODEL_NAME": "Qwen/Qwen3-8B", "MAX_MODEL_LEN": "100000"}
 
 
+@dataclass(frozen=True)
+class Run:
+    """What the captured logs of one vLLM say that is its run's, not its diagnosis's: the
+    model, the machine's RAM that day, the scratch folder (tests/data/failure_logs/README.md)."""
+
+    positions: int
+    """The model's ``max_position_embeddings``."""
+    kv_fit: int
+    """The longest context that the KV cache of ``cpu_kv_cache_smaller_than_max_model_len``
+    holds, as vLLM estimated it."""
+    no_blocks: str
+    """vLLM's words for a KV cache smaller than one block (``--kv-cache-memory-bytes 10000``):
+    0.32 finds no memory at all; 0.27.1, memory for less than one request."""
+    node_memory: str
+    """Free/total RAM of node 0 when ``--gpu-memory-utilization 0.99`` was refused."""
+    share: str
+    """The utilization that fits that RAM, as the fix proposes it."""
+    models: str
+    """The folder of the copies with an unknown architecture and with custom code."""
+
+
+RUNS = {
+    "0.27.1": Run(2048, 512, "larger than the available KV cache memory (0.0 GiB)",
+                  "22.54/23.54 GiB", "0.9", "/tmp/capture-failures-j_g_3um3/models"),
+    "0.32.0": Run(4096, 640, "No available memory for the cache blocks", "10.37/11.71 GiB",
+                  "0.8", "/tmp/models"),
+}
+
+
+def captured(name: str, case: Case, replace: Mapping[str, str] | None = None) -> list[Case]:
+    """``case`` on the log ``name`` captured from each vLLM of VERSIONS (every one must have
+    it), expecting the same diagnosis; the ``{facts}`` in its words are that run's (RUNS)."""
+
+    def on(version: str) -> Case:
+        facts = dataclasses.asdict(RUNS[version])
+
+        def filled(words: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(text.format(**facts) for text in words)
+
+        return dataclasses.replace(
+            case, id=f"{case.id}@{version}", lines=fixture(name, replace, version=version),
+            cause_has=filled(case.cause_has), fix_has=filled(case.fix_has),
+            fix_lacks=filled(case.fix_lacks))
+
+    return [on(version) for version in VERSIONS]
+
+
 def in_a_bucket(uri: str) -> dict[str, str]:
     """A model in a loopback S3-compatible store with static keys, as the logs were made."""
     return {"MODEL_NAME": uri, "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
@@ -231,13 +289,13 @@ CASES = [
         fix_has=("MAX_NUM_SEQS",),
         recoverable=True,
     ),
-    Case(
+    *captured("cpu_kv_cache_smaller_than_max_model_len.log", Case(
         "kv-cache-smaller-than-one-request",
-        fixture("cpu_kv_cache_smaller_than_max_model_len.log"),
+        (),
         "out_of_memory",
-        cause_has=("max seq len (4096)", "estimated maximum model length is 640"),
+        cause_has=("max seq len ({positions})", "estimated maximum model length is {kv_fit}"),
         fix_has=(
-            "MAX_MODEL_LEN=640",
+            "MAX_MODEL_LEN={kv_fit}",
             "GPU_MEMORY_UTILIZATION",
             "ENFORCE_EAGER=true",
             "TENSOR_PARALLEL_SIZE",
@@ -245,7 +303,7 @@ CASES = [
         ),
         env=MODEL_ENV,
         recoverable=True,
-    ),
+    )),
     Case(
         "kv-cache-smaller-than-one-request-gpu-template",
         engine_core_error(
@@ -265,36 +323,36 @@ CASES = [
         env={"VLLM_EXTRA_ARGS": "--max-model-len 131072"},
         recoverable=True,
     ),
-    Case(
+    *captured("cpu_kv_cache_smaller_than_max_model_len.log", Case(
         "kv-cache-sized-explicitly",
-        fixture("cpu_kv_cache_smaller_than_max_model_len.log"),
+        (),
         "out_of_memory",
-        fix_has=("KV_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN=640"),
+        fix_has=("KV_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN={kv_fit}"),
         fix_lacks=("raise GPU_MEMORY_UTILIZATION",),
         env={"KV_CACHE_MEMORY_BYTES": "200000"},
         recoverable=True,
-    ),
-    Case(
+    )),
+    *captured("cpu_no_available_memory_for_cache_blocks.log", Case(
         "no-memory-for-cache-blocks",
-        fixture("cpu_no_available_memory_for_cache_blocks.log"),
+        (),
         "out_of_memory",
-        cause_has=("No available memory for the cache blocks",),
+        cause_has=("{no_blocks}",),
         fix_has=("GPU_MEMORY_UTILIZATION", "MAX_MODEL_LEN", "ENFORCE_EAGER=true"),
         recoverable=True,
-    ),
-    Case(
+    )),
+    *captured("cpu_memory_utilization_too_high.log", Case(
         "cpu-memory-utilization-above-free-ram",
-        fixture("cpu_memory_utilization_too_high.log"),
+        (),
         "insufficient_free_memory",
-        cause_has=("Available memory on node 0 (10.37/11.71 GiB)", "0.99"),
+        cause_has=("Available memory on node 0 ({node_memory})", "0.99"),
         fix_has=(
             "GPU_MEMORY_UTILIZATION",
-            "0.8",
+            "{share} or lower",
             "KV_CACHE_MEMORY_BYTES",
             "VLLM_CPU_KVCACHE_SPACE",
         ),
         env={"GPU_MEMORY_UTILIZATION": "0.99"},
-    ),
+    )),
     Case(
         "cpu-kv-cache-space-above-free-ram",
         engine_core_error(
@@ -317,22 +375,31 @@ CASES = [
         fix_has=("GPU_MEMORY_UTILIZATION=0.4",),
     ),
     # ---- max_model_len ----
-    Case(
+    *captured("max_model_len_too_large.log", Case(
         "max-model-len-above-the-model",
-        fixture("max_model_len_too_large.log"),
+        (),
         "max_model_len_too_large",
-        cause_has=("100000", "max_position_embeddings=4096"),
-        fix_has=("MAX_MODEL_LEN to 4096 or less", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
+        cause_has=("100000", "max_position_embeddings={positions}"),
+        fix_has=("MAX_MODEL_LEN to {positions} or less", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
         env=MODEL_ENV,
-    ),
-    Case(
+    )),
+    *captured("max_model_len_too_large.log", Case(
         "max-model-len-from-the-config-file",
-        fixture("max_model_len_too_large.log"),
+        (),
         "max_model_len_too_large",
-        fix_has=("max-model-len in the config file /vllm_config.yaml", "4096"),
+        fix_has=("max-model-len in the config file /vllm_config.yaml", "{positions}"),
         config={"max-model-len": 100000},
-    ),
+    )),
     # ---- bad arguments ----
+    *captured("argparse_unknown_flag.log", Case(
+        "unknown-flag-from-extra-args-captured",
+        (),
+        "bad_argument",
+        cause_has=("unrecognized arguments: --no-such-flag 3",),
+        fix_has=("--no-such-flag came from VLLM_EXTRA_ARGS", "remove it"),
+        exit_code=2,
+        env={"VLLM_EXTRA_ARGS": "--no-such-flag 3"},
+    )),
     Case(
         "unrecognized-flag-from-extra-args",
         argparse_error("unrecognized arguments: --foo 1", prog="vllm"),
@@ -417,17 +484,17 @@ CASES = [
         exit_code=None,
         env={"MAX_NUM_SEQS": "abc"},
     ),
-    Case(
+    *captured("config_gpu_memory_utilization_above_1.log", Case(
         "pydantic-field-out-of-range",
-        fixture("config_gpu_memory_utilization_above_1.log"),
+        (),
         "bad_argument",
         cause_has=("gpu_memory_utilization: Input should be less than or equal to 1",),
         fix_has=("--gpu-memory-utilization came from env GPU_MEMORY_UTILIZATION",),
         env={"GPU_MEMORY_UTILIZATION": "0.99"},
-    ),
-    Case(
+    )),
+    *captured("config_batched_tokens_below_max_num_seqs.log", Case(
         "pydantic-validator-naming-two-flags",
-        fixture("config_batched_tokens_below_max_num_seqs.log"),
+        (),
         "bad_argument",
         cause_has=("max_num_batched_tokens (8) must be greater than or equal to max_num_seqs",),
         fix_has=(
@@ -435,7 +502,7 @@ CASES = [
             "--max-num-seqs came from VLLM_EXTRA_ARGS",
         ),
         env={"MAX_NUM_BATCHED_TOKENS": "8", "VLLM_EXTRA_ARGS": "--max-num-seqs 16"},
-    ),
+    )),
     Case(
         "config-value-error-naming-a-flag",
         api_server_error(
@@ -451,18 +518,17 @@ CASES = [
         env={"DATA_PARALLEL_SIZE_LOCAL": "4"},
     ),
     # ---- the model: not found, gated, revision, offline ----
-    Case(
+    *captured("hub_repo_not_found.log", Case(
         "repo-not-found",
-        fixture("hub_repo_not_found.log"),
+        (),
         "model_not_found",
         cause_has=("Qwen/Qwen3-0.6B-Instrukt", "does not exist", "HF_TOKEN is not set"),
         fix_has=("MODEL_NAME", "full `org/repo` id"),
         env=MODEL_ENV,
-    ),
-    Case(
+    )),
+    *captured("hub_repo_not_found.log", Case(
         "tokenizer-repo-not-found",
-        fixture("hub_repo_not_found.log",
-                {"Qwen/Qwen3-0.6B-Instrukt": "acme/tokenizer-typo"}),
+        (),
         "model_not_found",
         cause_has=("acme/tokenizer-typo",),
         fix_has=("TOKENIZER_NAME",),
@@ -473,14 +539,14 @@ CASES = [
             "HF_TOKEN": "hf_x",
             "MAX_MODEL_LEN": "100000",
         },
-    ),
-    Case(
+    ), replace={"Qwen/Qwen3-0.6B-Instrukt": "acme/tokenizer-typo"}),
+    *captured("local_model_path_missing.log", Case(
         "local-path-that-does-not-exist",
-        fixture("local_model_path_missing.log"),
+        (),
         "model_not_found",
         cause_has=("/runpod-volume/models/my-model does not exist",),
         fix_has=("MODEL_NAME",),
-    ),
+    )),
     Case(
         "invalid-repo-id",
         api_server_error(
@@ -519,9 +585,9 @@ CASES = [
         cause_has=("/workspace/qwen does not exist or holds no config.json",),
         fix_has=("MODEL_NAME",),
     ),
-    Case(
+    *captured("hub_gated_model.log", Case(
         "gated-without-token",
-        fixture("hub_gated_model.log"),
+        (),
         "gated_model",
         cause_has=(
             "meta-llama/Llama-3.1-8B-Instruct",
@@ -529,15 +595,15 @@ CASES = [
             "Cannot access gated repo for url",
         ),
         fix_has=("HF_TOKEN", "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct"),
-    ),
-    Case(
+    )),
+    *captured("hub_gated_model.log", Case(
         "gated-with-a-token-lacking-access",
-        fixture("hub_gated_model.log"),
+        (),
         "gated_model",
         cause_has=("the account of the token in HF_TOKEN has not been granted access",),
         fix_has=("HF_TOKEN",),
         env={"HF_TOKEN": "hf_abc"},
-    ),
+    )),
     Case(
         "invalid-token",
         api_server_error(
@@ -569,38 +635,38 @@ CASES = [
         cause_has=("bartowski/Qwen3-8B-GGUF has no config.json",),
         fix_has=("MODEL_NAME", "GGUF"),
     ),
-    Case(
+    *captured("hub_revision_not_found.log", Case(
         "revision-not-found",
-        fixture("hub_revision_not_found.log"),
+        (),
         "revision_not_found",
         cause_has=("v2.0", "Qwen/Qwen3-8B"),
         fix_has=("MODEL_REVISION",),
         env={"MODEL_REVISION": "v2.0"},
-    ),
-    Case(
+    )),
+    *captured("offline_not_cached.log", Case(
         "offline-and-not-cached",
-        fixture("offline_not_cached.log"),
+        (),
         "offline_not_cached",
         cause_has=("Qwen/Qwen3-0.6B", "outgoing traffic has been disabled"),
         fix_has=("HF_HUB_OFFLINE", "MODEL_NAME"),
         env={"HF_HUB_OFFLINE": "1", "MODEL_NAME": "Qwen/Qwen3-0.6B", "MAX_MODEL_LEN": "100000"},
-    ),
+    )),
     Case(
         "offline-cache-miss-reported-as-connection-error",
-        fixture("network_unreachable.log"),
+        fixture("network_unreachable.log", version="0.32.0"),
         "offline_not_cached",
         fix_has=("HF_HUB_OFFLINE",),
         env={"HF_HUB_OFFLINE": "1"},
     ),
     # ---- the model: architecture, code, requirements ----
-    Case(
+    *captured("unsupported_architecture.log", Case(
         "unsupported-architecture",
-        fixture("unsupported_architecture.log"),
+        (),
         "unsupported_architecture",
         cause_has=("FooBarForCausalLM",),
         fix_has=("MODEL_NAME", "supported_models"),
         fix_lacks=("LlamaForCausalLM",),
-    ),
+    )),
     Case(
         "unknown-model-type-in-transformers",
         api_server_error(
@@ -613,13 +679,13 @@ CASES = [
         cause_has=("model type `qwen9`",),
         fix_has=("newer vLLM", "TRUST_REMOTE_CODE=true"),
     ),
-    Case(
+    *captured("trust_remote_code.log", Case(
         "custom-code-needs-trust",
-        fixture("trust_remote_code.log"),
+        (),
         "trust_remote_code",
-        cause_has=("/tmp/models/custom-code-model", "custom code"),
+        cause_has=("{models}/custom-code-model", "custom code"),
         fix_has=("TRUST_REMOTE_CODE=true",),
-    ),
+    )),
     Case(
         "model-code-states-a-requirement",
         fixture("assembled_model_requirement.log"),
@@ -670,7 +736,7 @@ CASES = [
     # ---- a model in object storage (tests/data/failure_logs/object_store_*.log) ----
     Case(
         "object-store-bucket-missing",
-        fixture("object_store_no_bucket.log"),
+        fixture("object_store_no_bucket.log", version="0.32.0"),
         "object_store_not_found",
         cause_has=("The bucket 'nobucket' of MODEL_NAME=s3://nobucket/tiny does not exist at "
                    "http://127.0.0.1:9000 (AWS_ENDPOINT_URL)",),
@@ -679,7 +745,7 @@ CASES = [
     ),
     Case(
         "object-store-prefix-without-a-model",
-        fixture("object_store_prefix_empty.log"),
+        fixture("object_store_prefix_empty.log", version="0.32.0"),
         "object_store_empty",
         cause_has=("No model was found under s3://models/nothing at http://127.0.0.1:9000",
                    "model_streamer/decfcada"),
@@ -688,7 +754,7 @@ CASES = [
     ),
     Case(
         "object-store-keys-refused",
-        fixture("object_store_keys_refused.log"),
+        fixture("object_store_keys_refused.log", version="0.32.0"),
         "object_store_access_denied",
         cause_has=("refused the credentials for s3://models/tiny", "InvalidAccessKeyId"),
         fix_has=("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "'models'", "s3:GetObject"),
@@ -696,7 +762,7 @@ CASES = [
     ),
     Case(
         "object-store-unreachable",
-        fixture("object_store_unreachable.log"),
+        fixture("object_store_unreachable.log", version="0.32.0"),
         "object_store_unreachable",
         cause_has=("did not answer for s3://models/tiny", "Could not connect to the endpoint"),
         fix_has=("AWS_ENDPOINT_URL", "once more"),
@@ -705,7 +771,7 @@ CASES = [
     ),
     Case(
         "object-store-weights-not-safetensors",
-        fixture("object_store_no_safetensors.log"),
+        fixture("object_store_no_safetensors.log", version="0.32.0"),
         "object_store_no_safetensors",
         cause_has=("s3://models/binonly holds no *.safetensors",),
         fix_has=("safetensors", "MODEL_NAME=ORG/NAME"),
@@ -713,21 +779,23 @@ CASES = [
     ),
     Case(
         "object-store-streamer-missing",
-        fixture("object_store_streamer_missing.log"),
+        fixture("object_store_streamer_missing.log", version="0.32.0"),
         "object_store_streamer_missing",
         cause_has=("No module named 'runai_model_streamer'", "s3://models/tiny"),
         fix_has=("runai-model-streamer[s3,gcs,azure]",),
         env=in_a_bucket("s3://models/tiny"),
     ),
     # The same errors for a start that reads no bucket are not read as the store's.
-    Case("no-such-bucket-of-something-else", fixture("object_store_no_bucket.log"), None),
-    Case("an-endpoint-of-something-else", fixture("object_store_unreachable.log"), None),
+    Case("no-such-bucket-of-something-else",
+         fixture("object_store_no_bucket.log", version="0.32.0"), None),
+    Case("an-endpoint-of-something-else",
+         fixture("object_store_unreachable.log", version="0.32.0"), None),
     # ---- not recognised: a restart (on another host) may help, or we do not know ----
     Case("cuda-illegal-memory-access",
          fixture("assembled_gpu_cuda_illegal_memory_access.log"), None),
     # A library missing from the image: prestart_failed, with the root error first
     # (tests/test_policy.py).
-    Case("cpu-libnuma-missing", fixture("cpu_libnuma_missing.log"), None),
+    Case("cpu-libnuma-missing", fixture("cpu_libnuma_missing.log", version="0.32.0"), None),
     Case("nccl-error", fixture("assembled_gpu_nccl_error.log"), None),
     Case(
         "shared-memory-full",
@@ -741,7 +809,7 @@ CASES = [
         ),
         None,
     ),
-    Case("network-unreachable", fixture("network_unreachable.log"), None),
+    Case("network-unreachable", fixture("network_unreachable.log", version="0.32.0"), None),
     Case(
         "nvml-driver-mismatch",
         engine_core_error(
@@ -792,11 +860,11 @@ CASES = [
         ),
         None,
     ),
-    Case(
+    *captured("config_batched_tokens_below_max_num_seqs.log", Case(
         "config-value-error-naming-no-flag-the-user-set",
-        fixture("config_batched_tokens_below_max_num_seqs.log"),
+        (),
         None,
-    ),
+    )),
     Case("empty-tail", [], None),
     Case("error-line-without-argparse-context", ["error: something went wrong"], None),
 ]
@@ -826,21 +894,31 @@ def test_diagnose(case: Case) -> None:
 OOM = fixture("assembled_gpu_cuda_oom_profile_run.log")
 
 
-def test_a_list_after_vllms_message_is_not_quoted_cut_after_its_first_number() -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_list_after_vllms_message_is_not_quoted_cut_after_its_first_number(
+    version: str,
+) -> None:
     """vLLM's missing repo: "... specified: '<repo>'.\nPlease verify the following
     requirements:\n1. Provide ...": the quote ends with the repo, not with "requirements: 1."."""
-    diagnosis = diagnose(fixture("hub_repo_not_found.log"), 1, launch_of(MODEL_ENV))
+    diagnosis = diagnose(fixture("hub_repo_not_found.log", version=version), 1,
+                         launch_of(MODEL_ENV))
     assert diagnosis is not None
     assert diagnosis.cause.endswith(
         "(vLLM: Invalid repository ID or local directory specified: "
         "'Qwen/Qwen3-0.6B-Instrukt'.)."), diagnosis.cause
 
 
-def test_the_list_of_supported_architectures_is_not_repeated() -> None:
-    diagnosis = diagnose(fixture("unsupported_architecture.log"), 1, launch_of())
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_list_of_supported_architectures_is_not_repeated(version: str) -> None:
+    diagnosis = diagnose(fixture("unsupported_architecture.log", version=version), 1,
+                         launch_of(catalog=FlagCatalog.load(packaged_catalog_path(version))))
     assert diagnosis is not None
     assert "LlamaForCausalLM" not in diagnosis.message
     assert "Supported architectures" not in diagnosis.message
+    # The vLLM that runs is named, and how to pick a newer one.
+    assert diagnosis.cause.startswith(f"This vLLM ({version}) does not support the model's "
+                                      "architecture FooBarForCausalLM."), diagnosis.cause
+    assert "VLLM_VERSION" in diagnosis.fix
 
 
 def test_an_error_printed_at_interpreter_exit_is_not_the_root() -> None:
@@ -939,21 +1017,36 @@ def test_diagnosis_is_a_frozen_value() -> None:
 
 
 def test_every_fixture_is_used() -> None:
-    used = {path.name for path in FAILURE_LOGS.glob("*.log")}
+    used = {path.name for path in FAILURE_LOGS.rglob("*.log")}
     source = Path(__file__).read_text(encoding="utf-8")
     assert {name for name in used if f'"{name}"' not in source} == set()
 
 
+def test_every_captured_vllm_has_its_facts() -> None:
+    """A folder of logs captured from one more vLLM says what its runs' model and machine were
+    (RUNS), for the cases that read every version's log."""
+    assert len(VERSIONS) >= 2 and set(VERSIONS) == set(RUNS)
+
+
 def test_every_log_says_whether_it_was_captured() -> None:
-    """A log captured from a real run is in a table of the folder's README with its command;
-    one put together from vLLM's message templates says so by its name (``assembled_``)."""
+    """A log captured from a real run is in its vLLM's folder (``0.32.0/``) and in a table of
+    the folder's README with its command, under a heading that names that folder; one put
+    together from vLLM's message templates is at the top, and says so by its name
+    (``assembled_``)."""
     readme = (FAILURE_LOGS / "README.md").read_text(encoding="utf-8")
-    captured = set(re.findall(r"^\| `([\w.]+\.log)` \|", readme, re.M))
-    logs = {path.name for path in FAILURE_LOGS.glob("*.log")}
+    captured = set()
+    for section in re.split(r"^## ", readme, flags=re.M)[1:]:
+        heading = section.splitlines()[0]
+        folder = re.search(r"`(\d+(?:\.\d+)+)/`", heading)
+        names = re.findall(r"^\| `([\w.]+\.log)` \|", section, re.M)
+        assert folder or not names, heading  # a table of captured logs says its vLLM
+        captured |= {f"{folder.group(1)}/{name}" for name in names} if folder else set()
+    logs = {path.relative_to(FAILURE_LOGS).as_posix() for path in FAILURE_LOGS.rglob("*.log")}
     assembled = {name for name in logs if name.startswith("assembled_")}
     assert assembled and captured
     assert logs - assembled == captured
     assert all(f"`{name}`" in readme for name in assembled)
+    assert {name.split("/")[0] for name in captured} == set(VERSIONS)
 
 
 def test_hub_failures_are_worded_as_the_preflight_words_them() -> None:
@@ -994,3 +1087,17 @@ def test_a_warning_about_a_full_disk_is_not_the_failure() -> None:
             "RuntimeError: The scheduler found an inconsistent block table"]
     assert diagnose(tail, 1, launch_of()) is None
 
+
+# -- a rank of an Instant Cluster that cannot reach its primary (worker/start/cluster.py) ------
+def test_a_rank_that_cannot_reach_the_primary_is_explained_from_vllms_real_log() -> None:
+    from worker.config.cluster import ClusterPlan
+    from worker.start.cluster import RankPhase, explain_no_join, rank_phase
+
+    tail = fixture("cluster_primary_unreachable.log", version="0.32.0")
+    assert rank_phase(tail) is RankPhase.STARTING  # no worker joined
+    plan = ClusterPlan(2, 1, "127.0.0.2", 29611, 2, 1)
+    said = explain_no_join(tail, plan, 60, "Connection refused")
+    assert said.startswith("Rank 1 did not join the cluster of 2 nodes within 60 s: its workers "
+                           "waited on tcp://127.0.0.2:29611, and a connection to the primary at "
+                           "127.0.0.2:29611 (PRIMARY_ADDR:PRIMARY_PORT) got 'Connection refused'.")
+    assert "ens1" in said and "CLUSTER_JOIN_TIMEOUT" in said

@@ -314,7 +314,7 @@ def readme_docker_builds() -> list[list[str]]:
 
 def test_readme_docker_builds_use_only_what_the_dockerfile_declares() -> None:
     builds = readme_docker_builds()
-    assert len(builds) == 2  # Option 1 and Option 2
+    assert len(builds) == 3  # Option 1, Option 2, and Option 1 with another vLLM
     args = args_and_defaults()
     for words in builds:
         assert words[-1] == "."
@@ -381,6 +381,30 @@ def test_the_catalog_dump_works_on_a_gpu_less_builder(
         packaged = FlagCatalog.load(packaged_catalog_path())
         assert dumped.flags == packaged.flags
         assert dumped.request_fields == packaged.request_fields is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.oldest_vllm
+def test_the_catalog_step_bakes_the_oldest_vllms_own_catalog(
+    oldest_vllm_executable: str, build_context: Path, tmp_path: Path
+) -> None:
+    """An image built with the oldest vLLM of the range (VLLM_VERSION=v0.27.1) bakes that
+    vLLM's catalog: the Dockerfile's step, run by that vLLM's interpreter on a GPU-less CUDA
+    build, dumps what is packaged for that version, not the default's."""
+    from worker.config.versions import OLDEST
+    from worker.start.build import vllm_python as find_python
+
+    python = find_python(oldest_vllm_executable)
+    assert python is not None
+    simulation = tmp_path / "simulation"
+    simulation.mkdir()
+    (simulation / "sitecustomize.py").write_text(_GPU_LESS_CUDA_IMAGE)
+    step = _dump_step(build_context, tmp_path / "oldest.json", python, extra_path=simulation)
+    assert step.returncode == 0, step.stderr[-2000:]
+    dumped = FlagCatalog.load(tmp_path / "oldest.json")
+    assert dumped.version.split("+")[0] == OLDEST
+    assert dumped == FlagCatalog.load(packaged_catalog_path(OLDEST))
+    assert dumped.flags != FlagCatalog.load(packaged_catalog_path()).flags
 
 
 # -- scripts/download_model.py -----------------------------------------------------------------

@@ -102,6 +102,8 @@ def test_unknown_architecture(
     message = startup_error(record)
     assert "FooBarForCausalLM" in message
     assert "LlamaForCausalLM" not in message  # not vLLM's list of hundreds
+    # The vLLM that runs is named, and how to build with another one.
+    assert "This vLLM (0.32.0) does not support" in message and "VLLM_VERSION" in message
 
 
 def test_kv_cache_too_small_relaunches_once_then_explains(
@@ -204,13 +206,19 @@ def test_vllm_dying_after_ready_fails_in_flight_jobs_and_exits(
     assert worker.vllm_processes_left() == []
 
 
-def test_sigterm_drains_in_flight_jobs_then_stops_vllm(retiring_baked_worker: Serving) -> None:
+def test_sigterm_drains_in_flight_jobs_and_a_batch_then_stops_vllm(
+    retiring_baked_worker: Serving,
+) -> None:
     """The end of the shared worker of a baked model (tests/test_e2e_config.py): any healthy
-    queue worker would do."""
+    queue worker would do; this one sends 2 lines of a batch at once (BATCH_CONCURRENCY=2)."""
     job_api, worker = retiring_baked_worker.api, retiring_baked_worker.worker
     jobs = [job_api.submit({"prompt": "Hello", "stream": True, "sampling_params": {
         "max_tokens": 300, "ignore_eos": True, "n": 8}}) for _ in range(4)]
-    for job in jobs:
+    lines = [{"custom_id": f"line-{n}", "url": "/v1/completions", "body": {
+        "prompt": "Hello", "max_tokens": 1 if n == 0 else 300, "ignore_eos": True}}
+        for n in range(30)]
+    batch = job_api.submit({"batch": lines})
+    for job in [*jobs, batch]:
         job_api.wait_stream(job, count=1, timeout=120)
     worker.signal(signal.SIGTERM)
     worker.wait_for_log("SIGTERM: no new jobs", timeout=120)
@@ -220,6 +228,20 @@ def test_sigterm_drains_in_flight_jobs_then_stops_vllm(retiring_baked_worker: Se
         record = job_api.wait_done(job, timeout=60)
         assert "error" not in record.done
         assert "".join(record.outputs).endswith("data: [DONE]\n\n")
+    # The batch completed: every line has its answer or says the worker stopped.
+    done = job_api.wait_done(batch, timeout=60)
+    assert "error" not in done.done, done.done
+    results = {r["custom_id"]: r for piece in done.done["output"] for r in piece["results"]}
+    assert set(results) == {line["custom_id"] for line in lines}
+    stopped = [r for r in results.values() if r["error"] is not None]
+    assert {r["error"]["code"] for r in stopped} == {"worker_stopping"}
+    assert all(r["response"]["status_code"] == 200 for r in results.values()
+               if r["error"] is None)
+    not_sent = [r for r in stopped if r["error"]["message"].startswith("Not sent")]
+    assert not_sent and f"batch {batch}: {len(not_sent)} line(s) not sent (SIGTERM)" in (
+        worker.log())
+    print(f"at the SIGTERM: {len(results) - len(stopped)} lines answered, "
+          f"{len(stopped) - len(not_sent)} aborted, {len(not_sent)} not sent")
     # The fake API cannot tell a take the worker abandoned from one it got: what matters is
     # that the worker ran no job after the signal.
     assert job_api.jobs[late].done is None and late not in worker.log()

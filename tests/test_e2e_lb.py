@@ -23,7 +23,7 @@ from tests.worker_process import base_env
 
 pytestmark = pytest.mark.vllm
 
-FAILURE_LOGS = Path(__file__).parent / "data" / "failure_logs"
+FAILURE_LOGS = Path(__file__).parent / "data" / "failure_logs" / "0.32.0"
 
 
 @pytest.fixture

@@ -78,6 +78,9 @@ SPEECH_EXAMPLE = "requests_transcribe"
 #: (tests/test_e2e_vision.py, tests/test_e2e_pooling.py) against vLLM's own /v1.
 OTHER_MODEL_EXAMPLES = ("openai_vision", "openai_embeddings")
 EXAMPLE_ARGS = {SPEECH_EXAMPLE: ["speech.wav"], "openai_vision": ["photo.jpg"]}
+#: The batch example (docs/batch.md): /run and /stream through the stand-in platform's queue
+#: routes (tests/fake_platform.py) over the shared queue worker.
+BATCH_EXAMPLE = "requests_batch"
 
 
 @dataclass
@@ -110,7 +113,9 @@ def start_local(argv: list[str], env: dict[str, str], model: Path, log: Path) ->
     }
     worker = WorkerProcess(argv, env, log_path=log)
     try:
-        worker.wait_for_log("Uvicorn running on", timeout=300)
+        # uvicorn's own line (run_local.sh's instructions quote its start).
+        worker.wait_for_log(f"Uvicorn running on http://127.0.0.1:{api_port} (Press CTRL+C",
+                            timeout=300)
     except BaseException:
         worker.kill()
         raise
@@ -413,6 +418,32 @@ def shell_lines(pages: list[Path]) -> list[str]:
             for line in block.replace("\\\n", " ").splitlines()]
 
 
+@pytest.mark.vllm
+def test_the_batch_example_writes_a_result_for_every_line(
+    queue_worker: Serving, tmp_path: Path
+) -> None:
+    """docs/batch.md's command, with its sample file, through the platform's /run and
+    /stream: one result line per request, none an error, in the file it names."""
+    sample = EXAMPLES / "batch_input.jsonl"
+    env = base_env()
+    env.pop("PYTHONPATH", None)
+    with FakePlatform(queue_worker.api) as platform:
+        env["BASE_URL"] = platform.base_url
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / f"{BATCH_EXAMPLE}.py"), str(sample), "results.jsonl"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    stdout = _completed(done)
+    asked = [json.loads(line)["custom_id"] for line in sample.read_text().splitlines()]
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text()
+               .splitlines()]
+    assert sorted(result["custom_id"] for result in results) == sorted(asked)
+    assert all(result["error"] is None for result in results), results
+    assert all(result["response"]["body"]["usage"]["completion_tokens"] > 0
+               for result in results)
+    assert stdout == f"[results={len(asked)}, errors=0, file=results.jsonl]\n"
+    assert f"{len(asked)}/{len(asked)} done, 0 with an error" in done.stderr
+
+
 # -- the docs' commands and job inputs, against the same worker --------------------------
 #: The address of a load-balancing endpoint (tests/test_e2e_lb.py runs those commands).
 LOAD_BALANCER = "https://$RUNPOD_ENDPOINT_ID.api.runpod.ai"
@@ -593,7 +624,7 @@ def test_anthropic_example_drops_v1_from_base_url(monkeypatch: pytest.MonkeyPatc
         "http://127.0.0.1:8000", "unused")
 
 
-@pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, SPEECH_EXAMPLE))
+@pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, SPEECH_EXAMPLE, BATCH_EXAMPLE))
 def test_job_examples_use_the_endpoint_with_a_bearer_key(name: str, platform_env: None) -> None:
     base_url, session = load_example(name).endpoint_from_env()
     assert base_url == "https://api.runpod.ai/v2/abc123"
@@ -601,7 +632,7 @@ def test_job_examples_use_the_endpoint_with_a_bearer_key(name: str, platform_env
 
 
 @pytest.mark.parametrize("name", (*LOCAL_API_EXAMPLES, *OPENAI_EXAMPLES, SPEECH_EXAMPLE,
-                                  *OTHER_MODEL_EXAMPLES))
+                                  *OTHER_MODEL_EXAMPLES, BATCH_EXAMPLE))
 def test_examples_say_what_to_set_when_nothing_is_set(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -663,4 +694,4 @@ def test_readme_example_commands_are_the_ones_tested() -> None:
     # (The speech example's commands are docs/speech-to-text.md's, run above; the README may
     # name it too. The vision and pooling ones run in their own modules.)
     assert scripts - {SPEECH_EXAMPLE, *OTHER_MODEL_EXAMPLES} == set(
-        LOCAL_API_EXAMPLES + OPENAI_EXAMPLES)
+        (*LOCAL_API_EXAMPLES, *OPENAI_EXAMPLES, BATCH_EXAMPLE))

@@ -21,6 +21,7 @@ from worker.config.flags import (
     env_name,
     packaged_catalog_path,
 )
+from worker.config.versions import packaged_versions
 from worker.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,13 +191,13 @@ def test_catalog_from_parser() -> None:
     assert by["--size"].choices == ("1", "2") and by["--size"].option_strings == ("--size", "-s")
 
 
-# -- the real dump -------------------------------------------------------------------------
-@pytest.mark.vllm
-def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
+# -- the real dump ---------------------------------------------------------------------------
+def dump_with(python: str, tmp_path: Path) -> FlagCatalog:
+    """The catalog that ``python``'s vLLM dumps, as the image's build step runs it."""
     out = tmp_path / "catalog.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [vllm_python, "-m", "worker.config.flags", "dump", "--out", str(out)],
+        [python, "-m", "worker.config.flags", "dump", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -206,9 +207,16 @@ def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
     assert by["--max-model-len"].kind == "value"
     assert by["--served-model-name"].multi
     assert catalog.model_positional
-    if catalog.version.split("+")[0] == flags.PACKAGED_VERSION:
-        # The packaged fallback must be this very dump: regenerate it when vLLM changes.
-        assert catalog == FlagCatalog.load(packaged_catalog_path())
+    return catalog
+
+
+@pytest.mark.vllm
+def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
+    catalog = dump_with(vllm_python, tmp_path)
+    # The packaged catalog of the default vLLM is this very dump: regenerate it when vLLM
+    # changes (scripts/dump_catalogs.py).
+    assert catalog.version.split("+")[0] == flags.PACKAGED_VERSION
+    assert catalog == FlagCatalog.load(packaged_catalog_path())
 
 
 # -- resolve_catalog -----------------------------------------------------------------------
@@ -291,17 +299,22 @@ def test_a_corrupt_cache_is_dumped_again(tmp_path: Path) -> None:
     assert FlagCatalog.load(cache / f"vllm-flags-v{flags.SCHEMA_VERSION}-9.9.9.json") == catalog
 
 
-@pytest.mark.parametrize("dump", ["fail", "hang"])
-def test_a_failing_dump_falls_back_to_the_packaged_catalog(
-    tmp_path: Path, dump: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("dump", "version", "nearest"), [
+    ("fail", "9.9.9", packaged_versions()[-1]),  # past the newest: the newest
+    ("hang", "9.9.9", packaged_versions()[-1]),
+    ("fail", "0.28.7", "0.28.0"),  # a later patch of a packaged minor release
+])
+def test_a_failing_dump_falls_back_to_the_nearest_packaged_catalog(
+    tmp_path: Path, dump: str, version: str, nearest: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(catalogs, "DUMP_TIMEOUT", 0.5)
-    python = fake_python(tmp_path, dump=dump)
+    python = fake_python(tmp_path, dump=dump, version=version)
     logged: list[str] = []
     catalog, note = resolve_catalog(str(python), tmp_path / "cache", None, logged.append, env=HOST)
-    assert catalog.version == "0.32.0"
-    assert note.startswith("packaged vllm-0.32.0.json")
-    assert "installed vLLM is 9.9.9" in note
+    assert catalog.version == nearest
+    assert catalog.stands_in_for == catalog.running_version == version
+    assert note.startswith(f"packaged vllm-{nearest}.json")
+    assert f"installed vLLM is {version}" in note
     # Another vLLM's request fields would refuse the fields new in this one: none are checked.
     assert catalog.request_fields is None and "request fields are sent unchecked" in note
     assert len(logged) == 1 and f"could not dump the flag catalog with {python}" in logged[0]

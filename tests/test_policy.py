@@ -196,7 +196,7 @@ def test_a_root_error_already_in_the_tail_is_not_repeated() -> None:
 def test_prestart_failed_of_a_missing_libnuma_puts_the_engines_error_first() -> None:
     # Captured: the engine's worker fails on the missing library, the API server's wrapper
     # traceback fills the end of the log ("See root cause above").
-    log = Path(__file__).parent / "data" / "failure_logs" / "cpu_libnuma_missing.log"
+    log = Path(__file__).parent / "data" / "failure_logs" / "0.32.0" / "cpu_libnuma_missing.log"
     tail = tuple(log.read_text(encoding="utf-8").splitlines()[-400:])
     decision = decide_for(Exited(1, tail, None), {})
     assert isinstance(decision, Fail) and decision.error.type == "prestart_failed"

@@ -40,6 +40,7 @@ from worker.config.resolved import PROXY_IDLE_SECONDS
 from worker.config.settings import Settings
 from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
 from worker.jobs.loopwatch import watching
+from worker.start.rank import watch_cluster
 from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker.lb")
@@ -116,8 +117,11 @@ class LoadBalancerWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await start
         serving = self.state is State.READY
+        cluster = self._watch_cluster() if serving else None
         with watching(self.settings.loop_stall_warning if serving else 0):
             await done_waiter
+        if cluster is not None:
+            cluster.cancel()
         if self.state is State.STOPPING:
             logger.info("draining %d request(s) for up to %.0f s",
                         self._in_flight, self.settings.drain_timeout)
@@ -175,6 +179,26 @@ class LoadBalancerWorker:
             return
         logger.error("start-up failed: %s", outcome.error.message)
         self.state = State.REFUSING
+
+    def _watch_cluster(self) -> asyncio.Task[str] | None:
+        """On rank 0 of an Instant Cluster: the checks that every rank still serves
+        (:func:`worker.start.rank.watch_cluster`); a failed one ends the worker like vLLM's
+        death, so that the cluster restarts instead of hanging on a rank that is gone."""
+        launch = self.startup.launch
+        if launch is None or launch.command.cluster is None:
+            return None
+        task = asyncio.create_task(watch_cluster(launch, self.settings, asyncio.sleep))
+
+        def lost(done: asyncio.Task[str]) -> None:
+            if done.cancelled() or self.state is not State.READY:
+                return
+            self._error = BackendUnavailable(f"Rank 0: {done.result()}.")
+            logger.error("%s", self._error.message)
+            self.state, self._exit_code = State.DEAD, 1
+            self._done.set()
+
+        task.add_done_callback(lost)
+        return task
 
     def _on_signal(self, sig: signal.Signals) -> None:
         logger.info("%s: no new requests", sig.name)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from worker.config.cluster import cluster_rank
 from worker.config.settings import Settings
 from worker.errors import ConfigError
 from worker.secrets import SecretMasker
@@ -66,6 +67,15 @@ def dry_run(builder: Builder, masker: SecretMasker) -> int:
         print(f"configuration error: {exc.message}", file=sys.stderr)
         return 2
     print(command.shell_line(masker))
+    if command.cluster is not None:
+        print(f"cluster: {command.cluster.describe()}", file=sys.stderr)
+        for rank in range(command.cluster.nodes):
+            if rank == command.cluster.rank:
+                continue
+            # Each node's own NODE_ADDR is its VLLM_HOST_IP.
+            env = {**builder.env, "NODE_RANK": str(rank), "NODE_ADDR": "<its NODE_ADDR>"}
+            other = builder.launch(env).command.shell_line(masker)
+            print(f"cluster: rank {rank}: {other}", file=sys.stderr)
     for flag, source in command.sources.items():
         print(f"  {flag:<40} from {source}", file=sys.stderr)
     if command.model_sources is not None:
@@ -111,6 +121,31 @@ def exec_http(settings: Settings, env: Mapping[str, str], masker: SecretMasker) 
         logger.warning("%s", open_port)
     logger.info("exec: %s", command.shell_line(masker))
     os.execvpe(command.argv[0], list(command.argv), dict(launch.env))
+
+
+def cluster_mode(
+    settings: Settings, env: Mapping[str, str], masker: SecretMasker, mode: str
+) -> int | None:
+    """Run this pod's rank of an Instant Cluster (:mod:`worker.start.rank`) and return its exit
+    code; None when the pod is no cluster's, or is rank 0 of a load balancer (which
+    :mod:`worker.lb` runs)."""
+    try:
+        rank = cluster_rank(env)
+    except ConfigError as exc:
+        print(f"configuration error: {exc.message}", file=sys.stderr)
+        return 2
+    if rank is None or (rank == 0 and mode == "lb"):
+        return None
+    from worker.start.rank import ClusterRank
+
+    if rank == 0:  # vLLM's API on 0.0.0.0:PORT, as exec_http runs it
+        if (open_port := open_port_warning(env, settings.effective_port)) is not None:
+            logger.warning("%s", open_port)
+        builder = Builder(settings, env, host="0.0.0.0", port=settings.effective_port,
+                          behind_worker=False)
+    else:
+        builder = Builder(settings, env)
+    return ClusterRank(builder, masker=masker).run()
 
 
 def has_gpu() -> bool:
@@ -182,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"--test_input: {exc}", file=sys.stderr)
             return 2
         mode = "local"
+    if mode in ("http", "lb") and (ranked := cluster_mode(settings, env, masker, mode)) is not None:
+        return ranked
     if mode == "http":
         return exec_http(settings, env, masker)
 

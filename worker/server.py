@@ -17,6 +17,7 @@ loop. ``run_serverless`` serves Runpod's job API; ``run_local`` the runpod SDK's
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -27,11 +28,15 @@ from typing import Any
 
 from worker.config.settings import Settings
 from worker.errors import PrestartFailed, WorkerError
+from worker.jobs.batch import BatchOptions
+from worker.jobs.batch_files import BatchFiles
+from worker.jobs.batch_format import concurrency
 from worker.jobs.handler import BackendFailureProbe, Proxy
 from worker.jobs.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
 from worker.jobs.loopwatch import watching
 from worker.jobs.stats import StatsOptions
 from worker.model.adapters import adapter_sources
+from worker.model.bucket import object_request
 from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker")
@@ -73,7 +78,18 @@ class QueueWorker:
             logger.info("%s", summary)
         return Proxy(self.settings, served_model=served_model, backend_failure=probe,
                      adapters=adapters,
-                     request_fields=launch.command.request_fields if launch else None)
+                     request_fields=launch.command.request_fields if launch else None,
+                     batches=self._batch_options())
+
+    def _batch_options(self) -> BatchOptions:
+        """Batch jobs' lines in flight (BATCH_CONCURRENCY, else vLLM's running batch), and
+        their files signed with the AWS_* variables the start read (those vLLM's model
+        streamer gets)."""
+        launch = self.startup.launch
+        max_num_seqs = launch.command.value("--max-num-seqs") if launch else None
+        sign = functools.partial(object_request, dict(launch.env) if launch else {})
+        return BatchOptions(concurrency(self.settings.batch_concurrency, max_num_seqs),
+                            BatchFiles(sign), self.settings.progress_interval)
 
     # -- the whole run -------------------------------------------------------------------
     def run_serverless(self) -> int:
@@ -202,6 +218,8 @@ class QueueWorker:
 
         def on_signal(sig: signal.Signals) -> None:
             logger.info("%s: no new jobs; draining %d in flight", sig.name, jobs.jobs_in_flight)
+            if proxy is not None:
+                proxy.drain(self.settings.drain_timeout)
             jobs.stop(self.settings.drain_timeout)
 
         # The SDK's system checks (GPU test, memory, disk) run once vLLM is up, as they do

@@ -3,7 +3,7 @@
 In order: the catalog baked into the image (``VLLM_FLAG_CATALOG``); the packaged catalog of
 the installed vLLM's version (read from its package metadata); a cached dump for that
 version; a fresh dump by vLLM's own interpreter (``python -m worker.config.flags dump``, then
-cached); the packaged catalog of another version, as the last resort.
+cached); the packaged catalog of the nearest version, as the last resort.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from worker.config.flags import (
+    PACKAGED_VERSION,
     SCHEMA_VERSION,
     FlagCatalog,
     packaged_catalog_for,
     packaged_catalog_path,
     write_json_atomically,
 )
+from worker.config.versions import nearest_version, packaged_versions
 from worker.errors import ConfigError
 
 #: Distributions that provide the ``vllm`` package: the official wheel, then the CPU build.
@@ -114,10 +116,10 @@ def resolve_catalog(
     In order: ``explicit_path`` (VLLM_FLAG_CATALOG, written at image build); the packaged
     catalog of the installed vLLM version (read from its package metadata, without importing
     vLLM); a cached dump for that version; a fresh dump by ``vllm_python`` (then cached); the
-    packaged catalog of another version. Only a broken explicit path is an error: every other
-    failure is logged through ``log`` and the next source is tried, because a slightly stale
-    catalog is far better than a worker that does not start. ``env``: the environment a dump
-    runs in.
+    packaged catalog of the nearest version (:func:`worker.config.versions.nearest_version`).
+    Only a broken explicit path is an error: every other failure is logged through ``log``
+    and the next source is tried, because a slightly stale catalog is far better than a
+    worker that does not start. ``env``: the environment a dump runs in.
     """
     if explicit_path is not None:
         try:
@@ -151,14 +153,15 @@ def resolve_catalog(
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
             log(f"could not dump the flag catalog with {vllm_python}: {exc}")
 
-    fallback = packaged_catalog_path()  # no catalog of ``version`` is packaged (see above)
-    catalog = FlagCatalog.load(fallback)
-    note = f"packaged {fallback.name} (vLLM {catalog.version})"
+    # No catalog of ``version`` is packaged (see above): the nearest packaged one stands in.
+    nearest = nearest_version(version, packaged_versions()) or PACKAGED_VERSION
+    catalog = FlagCatalog.load(packaged_catalog_path(nearest))
+    note = f"packaged {packaged_catalog_path(nearest).name} (vLLM {catalog.version})"
     if version and version.split("+", 1)[0] != catalog.version.split("+", 1)[0]:
         note += (f", installed vLLM is {version}: flags new in it are not mapped from env, "
                  "and jobs' request fields are sent unchecked")
         # Another vLLM's request fields would refuse the fields new in this one.
-        catalog = dataclasses.replace(catalog, request_fields=None)
+        catalog = dataclasses.replace(catalog, request_fields=None, stands_in_for=version)
     return catalog, note
 
 

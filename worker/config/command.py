@@ -25,7 +25,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from worker.config.flags import Flag, FlagCatalog
+from worker.config.flags import Flag, FlagCatalog, env_name
 from worker.config.inputs import read_baked_args, read_config_file, read_text
 from worker.config.names import COLLIDING_NAMES as COLLIDING_NAMES  # read here by gen_readme, tests
 from worker.config.names import (
@@ -38,6 +38,7 @@ from worker.config.names import RETIRED as RETIRED
 from worker.config.render import LORA_FLAG, Rendered, render
 from worker.config.resolved import FlagSetting, FlagSource, VllmCommand
 from worker.config.settings import WORKER_SETTING_NAMES
+from worker.config.versions import FlagHistory, packaged_history, range_warning
 from worker.errors import ConfigError
 from worker.secrets import SECRET_FLAGS, is_secret_name
 
@@ -111,13 +112,18 @@ def build_command(
     baked_args_path: str = "/local_model_args.json",
     file_exists: Callable[[str], bool] = os.path.exists,
     read_text: Callable[[str], str] = read_text,
+    history: Callable[[], FlagHistory] = packaged_history,
 ) -> VllmCommand:
     """Translate ``env`` into the `vllm serve` command; ConfigError when it cannot be done.
 
     ``catalog`` says which flags exist and how they take values. A baked model
     (``baked_args_path``) overrides the model variables and makes vLLM run offline.
+    ``history`` says which other vLLM versions have a flag the catalog lacks (asked only when
+    a variable sets nothing).
     """
     warnings: list[str] = []
+    if (outside := range_warning(catalog.running_version)) is not None:
+        warnings.append(outside)
     flags: dict[str, FlagSetting] = {}
     env_overrides: dict[str, str] = {}
 
@@ -146,8 +152,9 @@ def build_command(
         for name, setting in config_flags.items():
             _record(flags, name, setting)
 
-    chosen = _choose(values, catalog, overrides, baked_args_path, warnings)
-    extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings)
+    chosen = _choose(values, catalog, overrides, baked_args_path, warnings, history)
+    extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings,
+                                     history)
     # A baked default (the repo id as the served name) applies where the user set nothing.
     for name, value in baked.items():
         flag = catalog.by_env_name(name)
@@ -189,7 +196,8 @@ def build_command(
     _record(flags, "--host", FlagSetting(FlagSource("worker"), (host,)))
     _record(flags, "--port", FlagSetting(FlagSource("worker"), (str(port),)))
     return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides,
-                       request_fields=catalog.request_fields)
+                       request_fields=catalog.request_fields,
+                       vllm_version=catalog.running_version)
 
 
 def _enable_lora(
@@ -230,6 +238,7 @@ def _choose(
     baked: Mapping[str, str],
     baked_args_path: str,
     warnings: list[str],
+    history: Callable[[], FlagHistory],
 ) -> dict[str, _Choice]:
     """Pick, for each flag, the one variable that sets it (aliases win, then canonical names)."""
     claims: list[_Choice] = []
@@ -237,7 +246,7 @@ def _choose(
     for var, value in values.items():
         if not value.strip():
             continue  # an empty variable is unset (Runpod's UI leaves many of them empty)
-        flag, kind = _flag_of(var, catalog, warnings)
+        flag, kind = _flag_of(var, catalog, warnings, history)
         if kind == "unknown":
             unknown.append(var)
         if flag is None:
@@ -304,11 +313,14 @@ def _typo_targets(catalog: FlagCatalog) -> frozenset[str]:
     return frozenset((flags | WORKER_SETTING_NAMES | ALIASES.keys()) - COLLIDING_NAMES)
 
 
-def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag | None, str]:
+def _flag_of(
+    var: str, catalog: FlagCatalog, warnings: list[str], history: Callable[[], FlagHistory]
+) -> tuple[Flag | None, str]:
     """The flag a variable sets (None when it sets none) and how (``alias`` or ``env``).
 
     Warns about variables that clearly meant a flag but cannot be used (reserved, retired,
-    earlier names); ``unknown`` is a name the worker knows nothing of (PATH, or a typo).
+    a flag of other vLLM versions, earlier names); ``unknown`` is a name the worker knows
+    nothing of (PATH, or a typo).
     """
     if var in WORKER_SETTING_NAMES or var in COLLIDING_NAMES:
         return None, ""
@@ -321,7 +333,11 @@ def _flag_of(var: str, catalog: FlagCatalog, warnings: list[str]) -> tuple[Flag 
     if flag is None:
         if var in SPECULATIVE_PARTS:
             return None, ""  # one warning says all of them, with their SPECULATIVE_CONFIG
-        if var in RETIRED:
+        elsewhere = history().note(var, catalog.running_version)
+        if elsewhere is not None:
+            advice = f"; {RETIRED[var]}" if var in RETIRED else ""
+            warnings.append(f"{var} is ignored: {elsewhere}{advice}")
+        elif var in RETIRED:
             warnings.append(
                 f"{var} is ignored: vLLM {catalog.version} removed that flag; {RETIRED[var]}"
             )
@@ -379,8 +395,13 @@ def _extra_args(
     catalog: FlagCatalog,
     chosen: dict[str, _Choice],
     warnings: list[str],
+    history: Callable[[], FlagHistory],
 ) -> tuple[list[str], dict[str, FlagSetting]]:
-    """VLLM_EXTRA_ARGS, shell-split, and the flags it sets (they replace those of variables)."""
+    """VLLM_EXTRA_ARGS, shell-split, and the flags it sets (they replace those of variables).
+
+    A flag the catalog lacks is passed on as written (vLLM's parser has the last word); when
+    another vLLM version has it, a warning says which.
+    """
     if not raw.strip():
         return [], {}
     try:
@@ -401,6 +422,9 @@ def _extra_args(
             continue  # a value such as -1, or a short option vLLM may know better than us
         name = flag.name if flag is not None else "--" + base[2:].replace("_", "-")
         _check_explicit_flag(name, "VLLM_EXTRA_ARGS", warnings)
+        if flag is None and (elsewhere := history().note(env_name(name),
+                                                          catalog.running_version)):
+            warnings.append(f"VLLM_EXTRA_ARGS sets {name}, which vLLM will refuse: {elsewhere}")
         previous = chosen.pop(name, None)
         if previous is not None:
             warnings.append(

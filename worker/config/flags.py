@@ -10,7 +10,8 @@ must never do: it would slow the cold start and tie the worker to vLLM's interpr
 dump runs in a subprocess with vLLM's interpreter (``python -m worker.config.flags dump``), at image
 build time or once per vLLM version (cached), and the worker only ever loads JSON.
 :func:`worker.config.catalog.resolve_catalog` picks the best available source; a catalog of the
-vLLM version this worker is tested with is packaged (:func:`packaged_catalog_path`).
+vLLM version of the supported range is packaged (:func:`packaged_catalog_path`,
+:mod:`worker.config.versions`).
 """
 
 from __future__ import annotations
@@ -79,11 +80,17 @@ class Flag:
 
     @property
     def negative(self) -> str | None:
-        """``--no-x`` for a ``bool_pair`` flag ``--x`` (None for other kinds)."""
+        """The option that turns a ``bool_pair`` flag ``--x`` off: ``--no-x``, or the opposite
+        word that vLLM 0.33 pairs ``--enable-y`` and ``--disable-y`` with instead (None for
+        other kinds). It is reached through ``X=false``, never through a variable of its own:
+        ``ENABLE_SLIDING_WINDOW=true`` must not set ``--disable-sliding-window``."""
         if self.kind != "bool_pair":
             return None
-        wanted = "--no-" + self.name[2:]
-        return wanted if wanted in self.option_strings else None
+        wanted = ["--no-" + self.name[2:]]
+        for word, opposite in (("--enable-", "--disable-"), ("--disable-", "--enable-")):
+            if self.name.startswith(word):
+                wanted.append(opposite + self.name.removeprefix(word))
+        return next((option for option in wanted if option in self.option_strings), None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -135,6 +142,9 @@ class FlagCatalog:
     request_fields: RequestFields | None = None
     """The fields of the same vLLM's completion and chat requests
     (:mod:`worker.config.request_fields`); None when not known."""
+    stands_in_for: str | None = None
+    """The version of the vLLM that runs, when this catalog is another version's standing in
+    for it (none of its own could be found or dumped); never written to JSON."""
     _by_option: dict[str, Flag] = field(init=False, repr=False, compare=False)
     _by_env: dict[str, Flag] = field(init=False, repr=False, compare=False)
 
@@ -173,6 +183,11 @@ class FlagCatalog:
 
     def __contains__(self, option: object) -> bool:
         return isinstance(option, str) and self.get(option) is not None
+
+    @property
+    def running_version(self) -> str:
+        """The version of the vLLM that runs (this catalog's own unless it stands in)."""
+        return self.stands_in_for or self.version
 
     @property
     def model_positional(self) -> bool:
@@ -366,9 +381,9 @@ def write_json_atomically(data: Mapping[str, Any], path: Path) -> None:
 
 
 # -- the packaged catalogs ----------------------------------------------------------------
-def packaged_catalog_path() -> Path:
-    """The packaged catalog of PACKAGED_VERSION (the image's vLLM)."""
-    return PACKAGED_DIR / f"vllm-{PACKAGED_VERSION}.json"
+def packaged_catalog_path(version: str = PACKAGED_VERSION) -> Path:
+    """The packaged catalog of ``version`` (default PACKAGED_VERSION, the image's vLLM)."""
+    return PACKAGED_DIR / f"vllm-{version}.json"
 
 
 def packaged_catalog_for(version: str | None) -> Path | None:

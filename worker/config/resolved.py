@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from worker.config.cluster import PP_FLAG, TP_FLAG, ClusterPlan
 from worker.config.context import ContextFit
 from worker.config.request_fields import RequestFields
 from worker.config.sources import ModelSources
@@ -148,18 +149,38 @@ class VllmCommand:
     against."""
     context: ContextFit | None = None
     """How the context (``--max-model-len``) is chosen (:mod:`worker.config.context`)."""
+    vllm_version: str | None = None
+    """The version of the vLLM that runs (its catalog's; :mod:`worker.config.versions`)."""
+    cluster: ClusterPlan | None = None
+    """This pod's rank of a multi-node vLLM (:mod:`worker.config.cluster`); None on one node."""
 
-    def _with_worker_flags(self, added: Mapping[str, str]) -> VllmCommand:
-        """This command with flags the worker sets (one value each), before its own
-        ``--host``/``--port``, which stay last."""
-        args = [arg for flag, value in added.items() for arg in (flag, value)]
+    def _with_worker_flags(
+        self, added: Mapping[str, str], switches: tuple[str, ...] = ()
+    ) -> VllmCommand:
+        """This command with flags the worker sets (one value each, and on/off ``switches``),
+        before its own ``--host``/``--port``, which stay last."""
+        args = [arg for flag, value in added.items() for arg in (flag, value)] + list(switches)
         argv = (*self.argv[:-4], *args, *self.argv[-4:]) if args else self.argv
-        flags = {name: setting for name, setting in self.flags.items() if name not in added}
+        flags = {name: setting for name, setting in self.flags.items()
+                 if name not in added and name not in switches}
         tail: dict[str, FlagSetting] = {
             name: flags.pop(name) for name in ("--host", "--port") if name in flags}
         for flag, value in added.items():
             flags[flag] = FlagSetting(FlagSource("worker"), (value,))
+        for flag in switches:
+            flags[flag] = FlagSetting(FlagSource("worker"), switch=True)
         return replace(self, argv=argv, flags={**flags, **tail})
+
+    def with_cluster(self, plan: ClusterPlan) -> VllmCommand:
+        """This command as ``plan``'s rank of a multi-node vLLM: its flags, the layout the user
+        left unset, ``--headless`` on every rank but 0, and vLLM's address variable."""
+        added = plan.flags()
+        for flag, size in ((TP_FLAG, plan.tensor_parallel), (PP_FLAG, plan.pipeline_parallel)):
+            if flag not in self.flags:
+                added[flag] = str(size)
+        switches = ("--headless",) if plan.headless else ()
+        return replace(self._with_worker_flags(added, switches), cluster=plan,
+                       env_overrides={**self.env_overrides, **plan.env()})
 
     def with_model_sources(self, sources: ModelSources) -> VllmCommand:
         """This command with what ``sources`` decided: its variables, and the revisions it pins."""

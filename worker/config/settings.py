@@ -165,6 +165,11 @@ SETTINGS: tuple[Setting, ...] = (
             "only when something else in the container needs 18000."),
     Setting("MAX_CONCURRENCY", "max_concurrency", 30, _positive_int,
             "Jobs this worker runs at once (runpod concurrency_modifier and the HTTP pool)."),
+    Setting("BATCH_CONCURRENCY", "batch_concurrency", None, _positive_int,
+            "Lines of batch jobs (docs/batch.md) sent to vLLM at once, all batches of the worker "
+            "together; each batch counts as one job of MAX_CONCURRENCY.",
+            shown_default="MAX_NUM_SEQS when the endpoint sets it (vLLM's running batch), "
+                          "else 256 (vLLM's max_num_seqs on most GPUs)"),
     Setting("DEFAULT_MAX_TOKENS", "default_max_tokens", None, _positive_int,
             "Tokens to generate for a prompt or messages job that sets no max_tokens.",
             shown_default="vLLM's default: 16 for a prompt, up to the context for messages"),
@@ -198,6 +203,15 @@ SETTINGS: tuple[Setting, ...] = (
             "After an unrecognised start failure, seconds to wait for a job to answer with "
             "`prestart_failed` before exiting.",
             zero="exits at once, without waiting for a job to tell"),
+    Setting("CLUSTER_JOIN_TIMEOUT", "cluster_join_timeout", 300.0, _positive_float,
+            "Instant Clusters (NUM_NODES above 1): seconds a rank's vLLM may take to join the "
+            "cluster's group before the rank fails with what it could not reach."),
+    Setting("CLUSTER_CHECK_INTERVAL", "cluster_check_interval", 10.0, _positive_float,
+            "Instant Clusters: seconds between two checks that the cluster still serves (rank 0 "
+            "asks vLLM for a 1-token completion, in which every rank takes part; the other "
+            "ranks check that the primary's port answers). A failed check (an error, or no "
+            "answer within REQUEST_TIMEOUT, at least 60 s) ends the rank with exit 1, so that "
+            "the cluster restarts."),
     Setting("HUB_CHECK_TIMEOUT", "hub_check_timeout", 15.0, _non_negative_float,
             "Seconds the pre-flight check of the model, tokenizer and LoRA repos on Hugging "
             "Face may take (exists, access, revision); no answer in time only logs a warning.",
@@ -211,7 +225,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Download the files vLLM will read of a model that is not cached from the start, "
             "beside vLLM's own start-up (false: vLLM downloads them itself, later)."),
     Setting("WORKER_PROGRESS_INTERVAL", "progress_interval", 10.0, _positive_float,
-            "Seconds between two log lines on a download's progress during the start."),
+            "Seconds between two log lines on a download's progress during the start, and on a "
+            "batch job's progress while it runs."),
     Setting("BASE_PATH", "base_path", "/runpod-volume", _text,
             "Where a network volume is mounted; vLLM's compile cache goes to "
             "BASE_PATH/vllm-cache when it is writable and has room."),
@@ -278,6 +293,7 @@ class Settings:
     vllm_executable: str = "vllm"
     vllm_base_url: str = ""
     max_concurrency: int = 30
+    batch_concurrency: int | None = None
     default_batch_size: int = 50
     default_min_batch_size: int = 1
     default_batch_size_growth_factor: float = 3.0
@@ -287,6 +303,8 @@ class Settings:
     startup_timeout: float = 1200.0
     oom_relaunch: bool = True
     drain_timeout: float = 30.0
+    cluster_join_timeout: float = 300.0
+    cluster_check_interval: float = 10.0
     prestart_failed_wait: float = 60.0
     hub_check_timeout: float = 15.0
     hub_retry_timeout: float = 15.0

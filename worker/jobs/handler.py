@@ -39,6 +39,8 @@ from worker.errors import (
     WorkerError,
 )
 from worker.jobs import timeline
+from worker.jobs.batch import BatchOptions, BatchRunner
+from worker.jobs.batch_format import LineAnswer, is_batch
 from worker.jobs.forms import httpx_parts
 from worker.jobs.relay import SseRelay
 from worker.jobs.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input, sent_model
@@ -154,6 +156,7 @@ class Proxy:
         backend_failure: BackendFailureProbe | None = None,
         adapters: AdapterErrors | None = None,
         request_fields: RequestFields | None = None,
+        batches: BatchOptions | None = None,
     ) -> None:
         if not _is_loopback(settings.base_url):
             raise ConfigError(
@@ -179,6 +182,8 @@ class Proxy:
             max_tokens=settings.default_max_tokens,
             request_fields=request_fields,
         )
+        self._batch_options = batches or BatchOptions()
+        self._batches = BatchRunner(self.answer, self._batch_options)
         # What the log has heard of jobs' fields: each note once, not once per job.
         self._noted: set[str] = set()
         read_timeout = settings.request_timeout or None
@@ -188,7 +193,8 @@ class Proxy:
     def _get_client(self) -> httpx.AsyncClient:
         # Created lazily: an aiohttp-backed client belongs to the loop that runs the jobs.
         if self._client is None:
-            pool = self._settings.max_concurrency + 8
+            # Every job, and every line of the batches in flight, with a connection of its own.
+            pool = self._settings.max_concurrency + self._batch_options.concurrency + 8
             limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool,
                                   keepalive_expiry=PROXY_IDLE_SECONDS)
             transport = self._transport
@@ -214,6 +220,10 @@ class Proxy:
         """From now on answer every job with backend_unavailable at once."""
         self._dead_reason = reason
 
+    def drain(self, drain_timeout: float) -> None:
+        """SIGTERM: the batches send no more lines and end within ``drain_timeout``."""
+        self._batches.drain(drain_timeout)
+
     # -- the job -----------------------------------------------------------------------
     async def handle(self, job: dict[str, Any]) -> AsyncIterator[Any]:
         """Run one job; yield vLLM's answer, or ``{"error": ...}`` on any failure."""
@@ -221,7 +231,14 @@ class Proxy:
         try:
             if self._dead_reason is not None:
                 raise BackendUnavailable(self._dead_reason)
-            request = parse_job_input(job.get("input"), self._job_defaults)
+            job_input = job.get("input")
+            if is_batch(job_input):
+                assert isinstance(job_input, dict)
+                async for piece in self._batches.run(job.get("id"), job_input,
+                                                     self._job_defaults.batch):
+                    yield piece
+                return
+            request = parse_job_input(job_input, self._job_defaults)
             for note in request.notes:
                 if note not in self._noted:
                     self._noted.add(note)
@@ -270,14 +287,31 @@ class Proxy:
                     await response.aclose()
         return self._served_model
 
-    async def _forward(self, request: VllmRequest) -> AsyncIterator[Any]:
-        client = self._get_client()
-        outgoing = client.build_request(
+    async def answer(self, request: VllmRequest) -> LineAnswer:
+        """One request answered whole (a batch's line), the served model filled in: vLLM's
+        status and body, with the job's error for a status of 400 or more; a WorkerError when
+        vLLM sent no answer (a timeout, vLLM gone)."""
+        if self._dead_reason is not None:
+            raise BackendUnavailable(self._dead_reason)
+        request = await self._with_default_model(request)
+        response = await self._send(self._outgoing(request))
+        try:
+            await self._read(response)
+            error = self._vllm_error(response) if response.status_code >= 400 else None
+            return LineAnswer(response.status_code, _decoded_body(response), error)
+        finally:
+            await response.aclose()
+
+    def _outgoing(self, request: VllmRequest) -> httpx.Request:
+        return self._get_client().build_request(
             request.method,
             # An absolute URL: merging with a base_url re-parses both on every request.
             httpx.URL(self._base_url + request.route),
             **_body(request),
         )
+
+    async def _forward(self, request: VllmRequest) -> AsyncIterator[Any]:
+        outgoing = self._outgoing(request)
         timeline.mark("sent")
         response = await self._send(outgoing)
         timeline.mark("answered")

@@ -128,7 +128,9 @@ def check_route(route: object, field: str) -> str:
     return route
 
 
-def _batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy:
+def batch_policy(data: Mapping[str, Any], defaults: BatchPolicy) -> BatchPolicy:
+    """The batching of a streamed answer (or of a batch job's results) that a job's input
+    asks for, over ``defaults``."""
     values: dict[str, Any] = {}
     for key in _BATCH_KEYS:
         if key not in data or data[key] is None:
@@ -176,7 +178,7 @@ def parse_job_input(job_input: object, defaults: JobDefaults = JobDefaults()) ->
     """Map a job's ``input`` to a :class:`VllmRequest`; raise InvalidRequest if it can't."""
     if not isinstance(job_input, dict):
         raise InvalidRequest("The job's 'input' must be a JSON object.")
-    batch = _batch_policy(job_input, defaults.batch)
+    batch = batch_policy(job_input, defaults.batch)
 
     if "openai_route" in job_input:
         route = check_route(job_input["openai_route"], "openai_route")

@@ -1,4 +1,4 @@
-"""The objects under a model's prefix in an S3 bucket, with their sizes: one signed listing.
+"""S3 requests signed by the worker itself: a model's prefix listed, one object read or written.
 
 The weight check (:mod:`worker.start.fit`) needs the bytes of a model streamed from a bucket
 before vLLM reads them. The worker has no AWS SDK (vLLM's boto3 lives in vLLM's interpreter),
@@ -10,6 +10,10 @@ worker has the streamer address every store that is not AWS; AWS itself virtual-
 from a profile or a role are not read: the listing is then skipped, as for ``gs://`` and
 ``az://``. Nothing here raises: an answer that is not a listing is a reason, and vLLM's own
 start says what is wrong with the bucket.
+
+A batch job's file (``batch_url``, ``output_url``: :mod:`worker.jobs.batch_files`) is one
+object, read (GET) or written (PUT) with the same keys, endpoint and signature:
+:func:`object_request` signs the request and the jobs stage sends it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import datetime
 import hashlib
 import hmac
 from collections.abc import Mapping
-from urllib.parse import quote, urlsplit
+from dataclasses import dataclass
+from urllib.parse import quote, unquote, urlsplit
 from xml.etree import ElementTree
 
 import httpx
@@ -26,7 +31,7 @@ import httpx
 from worker.config.sources import ObjectUri
 from worker.model.object_store import object_store_access
 
-__all__ = ["canonical_query", "list_objects", "signed_headers"]
+__all__ = ["canonical_query", "list_objects", "object_request", "signed_headers"]
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -46,23 +51,25 @@ def canonical_query(query: Mapping[str, str]) -> str:
 
 def signed_headers(
     url: str, query: Mapping[str, str], *, key_id: str, secret: str, region: str,
-    token: str | None, now: datetime.datetime,
+    token: str | None, now: datetime.datetime, method: str = "GET", body: bytes = b"",
 ) -> dict[str, str]:
-    """The headers of a SigV4-signed ``GET url?query`` to S3 (no body)."""
+    """The headers of a SigV4-signed ``METHOD url?query`` to S3 carrying ``body``."""
     parts = urlsplit(url)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    headers = {"host": parts.netloc, "x-amz-content-sha256": _EMPTY_SHA256,
+    payload = hashlib.sha256(body).hexdigest() if body else _EMPTY_SHA256
+    headers = {"host": parts.netloc, "x-amz-content-sha256": payload,
                "x-amz-date": stamp}
     if token:
         headers["x-amz-security-token"] = token
     names = ";".join(sorted(headers))
     canonical = "\n".join([
-        "GET",
-        quote(parts.path or "/", safe="/-_.~"),
+        method,
+        # S3 encodes the path once: a URL's path, already encoded, is decoded first.
+        quote(unquote(parts.path) or "/", safe="/-_.~"),
         canonical_query(query),
         "".join(f"{name}:{headers[name]}\n" for name in sorted(headers)),
         names,
-        _EMPTY_SHA256,
+        payload,
     ])
     scope = f"{day}/{region}/s3/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
@@ -75,34 +82,78 @@ def signed_headers(
     return headers
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """The static keys, region and endpoint an environment gives S3 requests."""
+
+    key_id: str
+    secret: str
+    token: str | None
+    region: str
+    endpoint: str
+
+    @classmethod
+    def of(cls, env: Mapping[str, str]) -> _Keys | str:
+        """The environment's keys (vLLM's, or the worker's), or what is missing."""
+        def value(name: str) -> str:
+            return env.get(name, "").strip()
+
+        key_id, secret = value("AWS_ACCESS_KEY_ID"), value("AWS_SECRET_ACCESS_KEY")
+        if not (key_id and secret):
+            return "no AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        access = object_store_access(env)  # the endpoint and region vLLM's S3 clients read
+        return cls(key_id, secret, value("AWS_SESSION_TOKEN") or None,
+                   access.region or "us-east-1", (access.endpoint or "").rstrip("/"))
+
+    def url(self, bucket: str, key: str) -> str:
+        """Path-style at an endpoint of the user's, virtual-hosted at AWS; ``key`` encoded."""
+        path = quote(key, safe="/-_.~")
+        if self.endpoint:
+            return f"{self.endpoint}/{bucket}" + (f"/{path}" if key else "")
+        return f"https://{bucket}.s3.{self.region}.amazonaws.com/{path}"
+
+    def sign(self, url: str, query: Mapping[str, str], method: str, body: bytes,
+             now: datetime.datetime) -> dict[str, str]:
+        return signed_headers(url, query, key_id=self.key_id, secret=self.secret,
+                              region=self.region, token=self.token, now=now, method=method,
+                              body=body)
+
+
+def object_request(
+    env: Mapping[str, str], method: str, uri: str, body: bytes = b"", *,
+    now: datetime.datetime | None = None,
+) -> tuple[str, dict[str, str]] | str:
+    """The URL and signed headers of a ``GET`` or ``PUT`` (with ``body``) of the one object
+    ``s3://bucket/key``, or what the environment lacks to sign it. ``env``: where the
+    ``AWS_*`` variables are read (vLLM's environment, as the start built it); bound, this is a
+    batch job's signer (:data:`worker.jobs.batch_files.S3Signer`)."""
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    keys = _Keys.of(env)
+    if isinstance(keys, str):
+        return f"{keys} to reach s3://{bucket}/ with"
+    url = keys.url(bucket, key)
+    return url, keys.sign(url, {}, method, body, now or datetime.datetime.now(datetime.UTC))
+
+
 def list_objects(
     uri: ObjectUri, env: Mapping[str, str], *, timeout: float = 10.0,
     transport: httpx.BaseTransport | None = None,
 ) -> dict[str, int] | str:
     """Every object under ``uri``'s prefix: its path below the prefix → its size; or why the
     bucket was not listed. ``env`` is vLLM's environment."""
-    def value(name: str) -> str:
-        return env.get(name, "").strip()
-
     if uri.scheme != "s3":
         return f"the weight check lists only S3 buckets, not {uri.scheme}://"
-    key_id, secret = value("AWS_ACCESS_KEY_ID"), value("AWS_SECRET_ACCESS_KEY")
-    if not (key_id and secret):
-        return "no AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to list the bucket with"
-    access = object_store_access(env)  # the endpoint and region vLLM's S3 clients read
-    region = access.region or "us-east-1"
-    endpoint = (access.endpoint or "").rstrip("/")
-    url = (f"{endpoint}/{uri.bucket}" if endpoint
-           else f"https://{uri.bucket}.s3.{region}.amazonaws.com/")
+    keys = _Keys.of(env)
+    if isinstance(keys, str):
+        return f"{keys} to list the bucket with"
+    url = keys.url(uri.bucket, "")
     prefix = f"{uri.prefix}/" if uri.prefix else ""
     sizes: dict[str, int] = {}
     query = {"list-type": "2", "prefix": prefix}
     try:
         with httpx.Client(timeout=timeout, transport=transport) as client:
             for _ in range(_MAX_PAGES):
-                headers = signed_headers(url, query, key_id=key_id, secret=secret, region=region,
-                                         token=value("AWS_SESSION_TOKEN") or None,
-                                         now=datetime.datetime.now(datetime.UTC))
+                headers = keys.sign(url, query, "GET", b"", datetime.datetime.now(datetime.UTC))
                 answer = client.get(f"{url}?{canonical_query(query)}", headers=headers)
                 if answer.status_code != 200:
                     return f"the store answered {answer.status_code} to the listing"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from worker.config.catalog import resolve_catalog
+from worker.config.cluster import BACKEND_FLAG, PP_FLAG, TP_FLAG, plan_cluster
 from worker.config.command import build_command
 from worker.config.context import fit_context
 from worker.config.flags import FlagCatalog
@@ -211,6 +212,7 @@ class Builder:
         source = self.env if env is None else env
         command = self.command(source)
         command = command.with_context(fit_context(command, self.catalog))
+        command = self._as_cluster_rank(source, command)
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
         hub = hub_access(child, self._read_text)
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (
@@ -225,6 +227,15 @@ class Builder:
             hub=hub,
             base_path=self.settings.base_path,
         )
+
+    def _as_cluster_rank(self, env: Mapping[str, str], command: VllmCommand) -> VllmCommand:
+        """``command`` as this pod's rank of an Instant Cluster (:mod:`worker.config.cluster`),
+        in the modes that serve one (http, lb); unchanged elsewhere (a queue endpoint)."""
+        if self.settings.effective_mode not in ("http", "lb"):
+            return command
+        plan = plan_cluster(env, {flag: command.value(flag)
+                                  for flag in (TP_FLAG, PP_FLAG, BACKEND_FLAG)})
+        return command if plan is None else command.with_cluster(plan)
 
     def with_volume_cache(self) -> tuple[dict[str, str], CacheChoice]:
         """The worker's environment with vLLM's cache on the network volume when usable.

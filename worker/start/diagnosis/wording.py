@@ -398,15 +398,18 @@ def explain_architecture(
     match: re.Match[str], raised: Raised, context: Context
 ) -> tuple[str, str]:
     variable = _variable("--model", context)
+    version = context.command.vllm_version
+    this = f"This vLLM ({version})" if version else "This vLLM"
     if match["archs"] is not None:
         archs = ", ".join(re.findall(r"'([^']+)'", match["archs"])) or match["archs"]
-        cause = f"This vLLM does not support the model's architecture {archs}."
+        cause = f"{this} does not support the model's architecture {archs}."
     else:
-        cause = f"This vLLM cannot run the model: {quote(_sentences(raised.message, 2))}"
+        cause = f"{this} cannot run the model: {quote(_sentences(raised.message, 2))}"
     fix = (
         f"Choose a model whose architecture vLLM supports in {variable} "
         "(https://docs.vllm.ai/en/latest/models/supported_models.html) or a worker image with a "
-        f"newer vLLM; if the model ships its own modeling code, "
+        "newer vLLM (the build argument VLLM_VERSION: docs/deploy.md, 'Choosing a vLLM "
+        "version'); if the model ships its own modeling code, "
         f"{_assign('--trust-remote-code', 'true', context)} may let vLLM's Transformers backend "
         "load it."
     )

@@ -1,0 +1,576 @@
+"""Batch jobs in-process: the formats (pure, table by table), the runner over a stand-in vLLM
+that holds each request until the test lets it go (httpx.MockTransport), and the files in the
+loopback S3 store (tests/fake_s3.py) and over https (MockTransport). Nothing timed: a test
+waits for a state (requests held, a log line), and a wait's limit only fails what never
+happens. The real vLLM's side is tests/test_e2e_batch.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fake_s3 import FakeS3, fake_s3
+from worker.config.settings import Settings
+from worker.errors import InvalidRequest
+from worker.jobs import batch_files
+from worker.jobs import batch_format as fmt
+from worker.jobs.batch import BatchOptions
+from worker.jobs.batch_files import BatchFiles
+from worker.jobs.handler import Proxy
+from worker.jobs.routing import BatchPolicy
+from worker.model.bucket import object_request
+
+POLICY = BatchPolicy()
+
+
+def line(custom_id: str, prompt: str = "Hi", **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": prompt, "max_tokens": 3, **body}}
+
+
+# -- the formats ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("job_input", "param", "says"), [
+    ({"batch": {"a": 1}}, "batch", "must be a list"),
+    ({"batch": "line\nline"}, "batch", "It is str"),
+    ({"batch": [], "batch_url": "s3://b/k"}, "batch", "not both"),
+    ({"batch": [], "outputurl": "s3://b/k"}, "outputurl", "not 'outputurl'"),
+    ({"batch_url": "http://host/file.jsonl"}, "batch_url", "an https:// URL"),
+    ({"batch_url": "s3://bucket"}, "batch_url", "names no object"),
+    ({"batch_url": 3}, "batch_url", "must be s3://bucket/key"),
+    ({"batch": [], "output_url": "file:///tmp/x"}, "output_url", "must be s3://"),
+    ({"batch": [], "max_batch_size": 0}, None, "whole number"),
+])
+def test_an_unusable_batch_input_is_refused_by_name(
+    job_input: dict[str, Any], param: str | None, says: str
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        fmt.parse_batch_input(job_input, POLICY)
+    assert says in refused.value.message
+    assert refused.value.extra.get("param") == param
+
+
+def test_a_batch_input_of_lines_or_of_a_file() -> None:
+    spec = fmt.parse_batch_input({"batch": [line("a")], "output_url": "s3://b/out.jsonl",
+                                  "max_batch_size": 5}, POLICY)
+    assert spec.lines == (line("a"),) and spec.source is None
+    assert spec.output == fmt.FileUrl("s3://b/out.jsonl", "output_url")
+    assert spec.policy.max_batch_size == 5
+    spec = fmt.parse_batch_input({"batch_url": "https://host/in.jsonl?sig=x"}, POLICY)
+    assert spec.source is not None and spec.source.scheme == "https" and spec.output is None
+    assert fmt.is_batch({"batch_url": "x"}) and not fmt.is_batch({"prompt": "x"})
+    assert not fmt.is_batch(["batch"])
+
+
+@pytest.mark.parametrize(("item", "param", "says"), [
+    ("{not json", None, "not JSON"),
+    (["custom_id"], None, "not list"),
+    ({"url": "/v1/completions", "body": {}}, "custom_id", "non-empty string"),
+    ({"custom_id": 7, "url": "/v1/completions", "body": {}}, "custom_id", "non-empty string"),
+    ({"custom_id": "a", "body": {}}, "url", "'url' is missing"),
+    ({"custom_id": "a", "url": "https://evil.example/v1/completions", "body": {}}, None,
+     "absolute path"),
+    ({"custom_id": "a", "url": "/v1/../admin", "body": {}}, None, "'..'"),
+    ({"custom_id": "a", "url": "/v1/completions", "method": "PUT", "body": {}}, "method",
+     "one of DELETE, GET, POST"),
+    ({"custom_id": "a", "url": "/v1/models", "method": "GET", "body": {}}, "body", "GET line"),
+    ({"custom_id": "a", "url": "/v1/completions"}, "body", "needs its 'body'"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": [1]}, "body", "JSON object"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"stream": True}}, "body.stream",
+     "answered whole"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {}, "extra": 1}, "extra",
+     "not 'extra'"),
+])
+def test_a_malformed_line_is_refused_with_its_reason(
+    item: object, param: str | None, says: str
+) -> None:
+    parsed = fmt.parse_lines([(4, item)], POLICY)
+    assert parsed.lines == ()
+    [bad] = parsed.bad
+    assert bad.number == 4 and says in bad.reason.message, bad.reason.message
+    assert bad.reason.extra.get("param") == param
+
+
+def test_lines_as_objects_or_text_with_post_by_default_and_ids_once() -> None:
+    items = fmt.given_items([
+        {"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": []}},
+        json.dumps({"custom_id": "b", "method": "get", "url": "/v1/models"}),
+        {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "again"}},
+    ])
+    parsed = fmt.parse_lines(items, POLICY)
+    assert [(x.number, x.custom_id, x.request.method, x.request.route, x.request.stream)
+            for x in parsed.lines] == [(1, "a", "POST", "/v1/chat/completions", False),
+                                       (2, "b", "GET", "/v1/models", False)]
+    [again] = parsed.bad
+    assert (again.number, again.custom_id) == (3, "a")
+    assert "line 1's already" in again.reason.message
+
+
+def test_a_files_blank_lines_are_skipped_and_numbers_kept() -> None:
+    assert fmt.file_items('{"a": 1}\n\n  \n{"b": 2}\n') == [(1, '{"a": 1}'), (4, '{"b": 2}')]
+
+
+def test_result_lines_are_openais_batch_output() -> None:
+    [ok] = fmt.parse_lines([(1, line("a"))], POLICY).lines
+    answer = fmt.LineAnswer(200, {"id": "cmpl-1", "choices": [], "usage": {
+        "completion_tokens": 3}})
+    assert fmt.answered(ok, answer, "batch_req_1") == {
+        "id": "batch_req_1", "custom_id": "a",
+        "response": {"status_code": 200, "request_id": "cmpl-1", "body": answer.body},
+        "error": None}
+    from worker.errors import RequestTimeout, VllmError
+
+    refused = fmt.LineAnswer(400, {"error": {"message": "too long"}},
+                             VllmError("too long", code=400, vllm={"message": "too long"}))
+    result = fmt.answered(ok, refused, "batch_req_2")
+    assert result["response"] == {"status_code": 400, "request_id": "batch_req_2",
+                                  "body": {"error": {"message": "too long"}}}
+    assert result["error"] == {"code": "vllm_error", "message": "too long", "line": 1}
+    assert fmt.failed(3, None, InvalidRequest("bad", param="url"), "batch_req_3") == {
+        "id": "batch_req_3", "custom_id": None, "response": None,
+        "error": {"code": "invalid_request", "message": "bad", "line": 3, "param": "url"}}
+    timeout = fmt.failed(1, "a", RequestTimeout("slow"), "r")["error"]
+    assert timeout["code"] == "timeout"
+
+
+def test_counts_summary_and_the_progress_line() -> None:
+    counts = fmt.Counts(3)
+    counts.add({"custom_id": "a", "response": {"body": {"usage": {"completion_tokens": 7}}},
+                "error": None})
+    counts.add({"custom_id": "b", "response": None, "error": {"code": "timeout"}})
+    assert counts.figures() == {"done": 2, "total": 3, "errors": 1}
+    assert fmt.summary(counts, fmt.FileUrl("s3://b/o", "output_url")) == {
+        "output_url": "s3://b/o", "done": 2, "total": 3, "errors": 1,
+        "failures": [{"custom_id": "b", "error": {"code": "timeout"}}]}
+    assert fmt.progress_line("j", counts, 2.0) == (
+        "batch j: 2/3 lines done, 1 error(s), 4 tokens/s generated, 2 s")
+
+
+def test_a_batch_with_no_line_to_send_says_why() -> None:
+    parsed = fmt.parse_lines(fmt.given_items(["x", 3]), POLICY)
+    message = fmt.unusable(parsed.bad).message
+    assert message.startswith("No line of the batch can be sent (2 line(s)): line 1: ")
+    assert "line 2: A line must be an object" in message
+    assert fmt.unusable(()).message == "The batch holds no line."
+
+
+@pytest.mark.parametrize(("drain", "lines"), [(30, 25), (10, 8), (2, 1.6), (0, 0)])
+def test_the_lines_share_of_a_drain(drain: float, lines: float) -> None:
+    assert fmt.lines_drain(drain) == pytest.approx(lines)
+
+
+@pytest.mark.parametrize(("setting", "max_num_seqs", "answer"), [
+    (None, None, 256), (None, "64", 64), (8, "64", 8), (None, "auto", 256)])
+def test_batch_concurrency_is_the_setting_else_vllms_running_batch(
+    setting: int | None, max_num_seqs: str | None, answer: int
+) -> None:
+    assert fmt.concurrency(setting, max_num_seqs) == answer
+
+
+def test_a_urls_query_is_never_quoted() -> None:
+    assert fmt.shown("https://h/f.jsonl?X-Amz-Signature=abc") == "https://h/f.jsonl?..."
+    assert fmt.shown("s3://b/k") == "s3://b/k"
+
+
+# -- the runner, over a stand-in vLLM -------------------------------------------------------
+class HeldVllm:
+    """vLLM's completions route, answering ``{"id", "choices": [{"text": <the prompt>}],
+    "usage"}``, 400 for max_tokens over 100; with ``hold``, each request waits for a
+    :meth:`release` (or its cancel, which it counts)."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.hold = hold
+        self.arrived: list[dict[str, Any]] = []
+        self.held = 0
+        self.cancelled = 0
+        self._gate = asyncio.Semaphore(0)
+
+    def release(self, count: int = 1) -> None:
+        for _ in range(count):
+            self._gate.release()
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        self.arrived.append(body)
+        if self.hold and body.get("prompt") != "ordinary":
+            self.held += 1
+            try:
+                await self._gate.acquire()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            finally:
+                self.held -= 1
+        if body.get("max_tokens", 0) > 100:
+            return httpx.Response(400, json={"error": {"message": "max_tokens too large",
+                                                       "type": "BadRequestError", "code": 400}})
+        return httpx.Response(200, json={
+            "id": f"cmpl-{len(self.arrived)}", "model": body.get("model"),
+            "choices": [{"text": body.get("prompt")}], "usage": {"completion_tokens": 2}})
+
+
+def proxy_for(vllm: HeldVllm, concurrency: int = 4, files: BatchFiles | None = None,
+              progress: float = 10.0, **settings: Any) -> Proxy:
+    return Proxy(Settings(vllm_port=8000, **settings), served_model="m",
+                 transport=httpx.MockTransport(vllm.handler),
+                 batches=BatchOptions(concurrency, files, progress))
+
+
+async def turns(until: Callable[[], bool], what: str, count: int = 200) -> None:
+    """Let the event loop turn until ``until`` holds (all in this loop: no time involved)."""
+    for _ in range(count):
+        if until():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+def results_of(pieces: list[Any]) -> list[dict[str, Any]]:
+    return [result for piece in pieces for result in piece["results"]]
+
+
+async def run(proxy: Proxy, job_input: Any, job_id: str = "b") -> list[Any]:
+    return [item async for item in proxy.handle({"id": job_id, "input": job_input})]
+
+
+def error_of(pieces: list[Any]) -> dict[str, Any]:
+    assert isinstance(pieces[-1], dict) and "error" in pieces[-1], pieces
+    parsed: dict[str, Any] = json.loads(pieces[-1]["error"])
+    return parsed
+
+
+async def test_every_line_gets_a_result_and_the_others_go_on() -> None:
+    vllm = HeldVllm()
+    proxy = proxy_for(vllm)
+    pieces = await run(proxy, {"batch": [
+        line("a", "one"), "{broken", line("b", "two", max_tokens=1000),
+        {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "three",
+                                                              "model": "other"}}]})
+    results = {r["custom_id"]: r for r in results_of(pieces)}
+    assert set(results) == {"a", None, "b", "c"}
+    assert results["a"]["response"]["body"]["choices"] == [{"text": "one"}]
+    assert results["a"]["error"] is None and results["a"]["id"].startswith("batch_req_")
+    assert results[None]["response"] is None
+    assert results[None]["error"]["line"] == 2 and "not JSON" in results[None]["error"]["message"]
+    assert results["b"]["response"]["status_code"] == 400
+    assert results["b"]["error"]["code"] == "vllm_error"
+    assert "max_tokens too large" in results["b"]["error"]["message"]
+    # A body without a model gets the served one; one with a model keeps it.
+    assert {body["prompt"]: body["model"] for body in vllm.arrived} == {
+        "one": "m", "two": "m", "three": "other"}
+    assert pieces[-1] | {"results": []} == {"results": [], "done": 4, "total": 4, "errors": 2}
+    assert [p["done"] for p in pieces] == sorted(p["done"] for p in pieces)
+    await proxy.aclose()
+
+
+@pytest.mark.parametrize(("job_input", "says"), [
+    ({"batch": "x"}, "must be a list"),
+    ({"batch": []}, "holds no line"),
+    ({"batch": ["x", {"custom_id": "a"}]}, "No line of the batch can be sent (2 line(s))"),
+])
+async def test_an_unusable_batch_fails_the_job_and_sends_nothing(
+    job_input: dict[str, Any], says: str
+) -> None:
+    vllm = HeldVllm()
+    pieces = await run(proxy_for(vllm), job_input)
+    error = error_of(pieces)
+    assert error["type"] == "invalid_request" and says in error["message"], error
+    assert len(pieces) == 1 and vllm.arrived == []
+
+
+async def test_at_most_batch_concurrency_lines_in_flight_and_an_ordinary_job_beside() -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=3)
+    job = asyncio.create_task(run(proxy, {"batch": [line(str(n)) for n in range(10)]}))
+    await turns(lambda: vllm.held == 3, "3 lines held")
+    for _ in range(50):  # the loop turns: no fourth line is sent while three are held
+        await asyncio.sleep(0)
+    assert len(vllm.arrived) == 3
+    # An ordinary job is served while the batch holds its slots.
+    [ordinary] = await run(proxy, {"prompt": "ordinary"}, job_id="o")
+    assert ordinary["choices"] == [{"text": "ordinary"}]
+    vllm.release()
+    await turns(lambda: len(vllm.arrived) == 5, "a fourth line once one ended")
+    vllm.release(10)
+    pieces = await job
+    assert len(results_of(pieces)) == 10 and pieces[-1]["errors"] == 0
+    await proxy.aclose()
+
+
+async def test_two_batches_share_the_workers_slots() -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=2)
+    jobs = [asyncio.create_task(run(proxy, {"batch": [line(f"{j}{n}") for n in range(3)]},
+                                    job_id=f"j{j}")) for j in range(2)]
+    await turns(lambda: vllm.held == 2, "2 lines held")
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert len(vllm.arrived) == 2
+    vllm.release(6)
+    assert [len(results_of(await job)) for job in jobs] == [3, 3]
+    await proxy.aclose()
+
+
+async def test_cancelling_the_job_aborts_the_lines_in_flight_and_sends_no_more() -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=2)
+    job = asyncio.create_task(run(proxy, {"batch": [line(str(n)) for n in range(6)]}))
+    await turns(lambda: vllm.held == 2, "2 lines held")
+    job.cancel()  # what the SDK does to a job it is told to stop
+    await turns(lambda: vllm.cancelled == 2, "the held requests closed")
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert len(vllm.arrived) == 2 and vllm.held == 0
+    assert job.cancelled()
+    # The slots came back: another batch runs.
+    vllm.release(3)
+    assert len(results_of(await run(proxy, {"batch": [line("x"), line("y")]}))) == 2
+    await proxy.aclose()
+
+
+async def test_a_drain_answers_unsent_lines_and_lets_those_in_flight_end() -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=2)
+    job = asyncio.create_task(run(proxy, {"batch": [line(str(n)) for n in range(6)]}))
+    await turns(lambda: vllm.held == 2, "2 lines held")
+    proxy.drain(30.0)  # 25 s for the lines in flight: they are let go before
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert len(vllm.arrived) == 2
+    vllm.release(2)
+    results = {r["custom_id"]: r for r in results_of(await job)}
+    assert len(results) == 6 and len(vllm.arrived) == 2
+    answered = [r for r in results.values() if r["error"] is None]
+    stopped = [r for r in results.values() if r["error"] is not None]
+    assert len(answered) == 2 and len(stopped) == 4
+    assert {r["error"]["code"] for r in stopped} == {"worker_stopping"}
+    assert all(r["error"]["message"].startswith("Not sent") for r in stopped)
+    await proxy.aclose()
+
+
+async def test_a_drain_with_no_time_aborts_the_lines_in_flight_with_a_result() -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=2)
+    job = asyncio.create_task(run(proxy, {"batch": [line(str(n)) for n in range(3)]}))
+    await turns(lambda: vllm.held == 2, "2 lines held")
+    proxy.drain(0.0)
+    results = results_of(await job)
+    assert vllm.cancelled == 2 and len(vllm.arrived) == 2
+    assert sorted(r["error"]["message"].split(":")[0] for r in results) == [
+        "Aborted", "Aborted", "Not sent"]
+    await proxy.aclose()
+
+
+async def test_a_batch_taken_as_the_sigterm_came_sends_nothing() -> None:
+    vllm = HeldVllm()
+    proxy = proxy_for(vllm)
+    proxy.drain(30.0)
+    results = results_of(await run(proxy, {"batch": [line("a"), line("b")]}))
+    assert [r["error"]["code"] for r in results] == ["worker_stopping"] * 2
+    assert vllm.arrived == []
+
+
+async def test_vllm_dying_answers_every_line_left_with_backend_unavailable() -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=2)
+    job = asyncio.create_task(run(proxy, {"batch": [line(str(n)) for n in range(5)]}))
+    await turns(lambda: vllm.held == 2, "2 lines held")
+    proxy.mark_backend_dead("vLLM exited with code -9 while serving.")
+    vllm.release(2)  # the two in flight were answered as vLLM died
+    results = results_of(await job)
+    assert len(results) == 5 and len(vllm.arrived) == 2
+    assert sorted(str(r["error"] and r["error"]["code"]) for r in results) == [
+        "None", "None", "backend_unavailable", "backend_unavailable", "backend_unavailable"]
+    await proxy.aclose()
+
+
+class Heard(logging.Handler):
+    """Sets ``event`` when a record's message holds ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+async def test_a_progress_line_while_the_batch_runs(caplog: pytest.LogCaptureFixture) -> None:
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=1, progress=0.01)
+    caplog.set_level(logging.INFO, logger="worker.batch")
+    heard = Heard("0/2 lines done")
+    logging.getLogger("worker.batch").addHandler(heard)
+    try:
+        job = asyncio.create_task(run(proxy, {"batch": [line("a"),
+                                                        line("b", max_tokens=500)]}))
+        async with asyncio.timeout(60):  # only fails a line that never comes
+            await heard.event.wait()
+    finally:
+        logging.getLogger("worker.batch").removeHandler(heard)
+    vllm.release(2)
+    await job
+    assert "batch b: 2/2 lines done, 1 error(s)" in caplog.messages[-1]
+    assert caplog.messages[0] == "batch b: 2 lines (0 malformed), at most 1 in flight"
+
+
+# -- the files -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def store() -> Iterator[FakeS3]:
+    with fake_s3() as s3:
+        s3.client().create_bucket(Bucket="batches")
+        yield s3
+
+
+def s3_files(store: FakeS3, **env: str) -> BatchFiles:
+    return BatchFiles(partial(object_request, {**store.env(), **env}))
+
+
+async def test_a_batch_read_from_and_written_to_the_store(store: FakeS3) -> None:
+    text = "\n".join(json.dumps(line(n, n)) for n in ("a", "b")) + "\n\n"
+    store.client().put_object(Bucket="batches", Key="in dir/in.jsonl", Body=text.encode())
+    vllm = HeldVllm()
+    proxy = proxy_for(vllm, files=s3_files(store))
+    [summary] = await run(proxy, {"batch_url": "s3://batches/in dir/in.jsonl",
+                                  "output_url": "s3://batches/out/result.jsonl"})
+    assert summary == {"output_url": "s3://batches/out/result.jsonl", "done": 2, "total": 2,
+                       "errors": 0, "failures": []}
+    written = store.client().get_object(Bucket="batches", Key="out/result.jsonl")
+    lines = [json.loads(x) for x in written["Body"].read().decode().splitlines()]
+    assert sorted((x["custom_id"], x["response"]["body"]["choices"][0]["text"])
+                  for x in lines) == [("a", "a"), ("b", "b")]
+    await proxy.aclose()
+
+
+@pytest.mark.parametrize(("job_input", "env", "says"), [
+    ({"batch_url": "s3://batches/missing.jsonl"}, {},
+     "'batch_url' s3://batches/missing.jsonl cannot be read: the server answered 404 "
+     "(NoSuchKey)."),
+    ({"batch": [line("a")], "output_url": "s3://no-such-bucket/out.jsonl"}, {},
+     "'output_url' s3://no-such-bucket/out.jsonl cannot be written: the server answered 404 "
+     "(NoSuchBucket)."),
+    ({"batch_url": "s3://batches/in.jsonl"}, {"AWS_SECRET_ACCESS_KEY": ""},
+     "cannot be reached: no AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to reach s3://batches/"),
+])
+async def test_a_file_that_cannot_be_read_or_written_fails_the_job_before_any_line(
+    store: FakeS3, job_input: dict[str, Any], env: dict[str, str], says: str
+) -> None:
+    vllm = HeldVllm()
+    error = error_of(await run(proxy_for(vllm, files=s3_files(store, **env)), job_input))
+    assert error["type"] == "invalid_request" and says in error["message"], error
+    assert store.env()["AWS_SECRET_ACCESS_KEY"] not in json.dumps(error)
+    assert vllm.arrived == []
+
+
+def https(answer: Callable[[httpx.Request], httpx.Response]) -> BatchFiles:
+    return BatchFiles(transport=httpx.MockTransport(answer))
+
+
+async def test_a_batch_over_https() -> None:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.method == "GET":
+            return httpx.Response(200, content=b"\xef\xbb\xbf" + json.dumps(line("a")).encode())
+        return httpx.Response(200)
+
+    [summary] = await run(proxy_for(HeldVllm(), files=https(answer)), {
+        "batch_url": "https://files.example/in.jsonl?sig=SECRET",
+        "output_url": "https://files.example/out.jsonl?sig=SECRET2"})
+    assert summary["done"] == 1 and summary["output_url"] == "https://files.example/out.jsonl?..."
+    assert [(r.method, r.url.path) for r in seen] == [
+        ("GET", "/in.jsonl"), ("PUT", "/out.jsonl"), ("PUT", "/out.jsonl")]
+    assert seen[1].content == b"" and json.loads(seen[2].content)["custom_id"] == "a"
+
+
+@pytest.mark.parametrize(("status", "says"), [
+    (302, "answered 302"), (403, "answered 403 (AccessDenied)"), (200, "is not UTF-8")])
+async def test_an_https_file_that_cannot_be_read_is_named_without_its_query(
+    status: int, says: str
+) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = b"\xff\xfe" if status == 200 else b"<Error><Code>AccessDenied</Code></Error>"
+        return httpx.Response(status, content=body, headers={"location": "https://x/y"})
+
+    error = error_of(await run(proxy_for(HeldVllm(), files=https(answer)),
+                               {"batch_url": "https://files.example/in.jsonl?sig=SECRET"}))
+    assert says in error["message"] and "SECRET" not in error["message"], error
+    assert "https://files.example/in.jsonl?..." in error["message"]
+
+
+async def test_a_file_past_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_files, "MAX_FILE_BYTES", 10)
+    error = error_of(await run(
+        proxy_for(HeldVllm(), files=https(lambda _: httpx.Response(200, content=b"x" * 20))),
+        {"batch_url": "https://files.example/in.jsonl"}))
+    assert "is larger than 0 MiB: split the batch" in error["message"]
+
+
+async def test_a_write_that_fails_at_the_end_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batch_files, "wait_exponential", lambda **_: lambda _: 0)
+    puts: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        puts.append(request.content)
+        return httpx.Response(503 if len(puts) == 2 else 200)
+
+    [summary] = await run(proxy_for(HeldVllm(), files=https(answer)), {
+        "batch": [line("a")], "output_url": "https://files.example/out.jsonl"})
+    assert summary["done"] == 1 and len(puts) == 3 and puts[1] == puts[2] != b""
+
+
+async def test_results_that_cannot_be_written_at_the_end_go_into_the_output(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check's empty write passed; the results' write is refused: nothing is lost."""
+    monkeypatch.setattr(fmt, "FALLBACK_PIECE", 2)
+    puts: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        puts.append(request.content)
+        return httpx.Response(200 if len(puts) == 1 else 403)
+
+    pieces = await run(proxy_for(HeldVllm(), files=https(answer)), {
+        "batch": [line("a"), line("b"), line("c")],
+        "output_url": "https://files.example/out.jsonl?sig=SECRET"})
+    *parts, summary = pieces
+    assert sorted(r["custom_id"] for r in results_of(parts)) == ["a", "b", "c"]
+    assert [len(part["results"]) for part in parts] == [2, 1] and len(puts) == 2
+    assert summary["done"] == 3 and "answered 403" in summary["output_error"]
+    assert "SECRET" not in json.dumps(pieces)
+
+
+def test_the_signature_of_an_object_put_is_botocores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's own SigV4 of a PUT with a body, against botocore's for the same request."""
+    from botocore.auth import S3SigV4Auth  # type: ignore[import-untyped]
+    from botocore.awsrequest import AWSRequest  # type: ignore[import-untyped]
+    from botocore.credentials import Credentials  # type: ignore[import-untyped]
+
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    env = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret",
+           "AWS_SESSION_TOKEN": "token", "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+           "AWS_REGION": "eu-west-1"}
+    signed = object_request(env, "PUT", "s3://bucket/a dir/file+1.jsonl", b"{}\n", now=now)
+    assert not isinstance(signed, str)
+    url, headers = signed
+    assert url == "http://127.0.0.1:9000/bucket/a%20dir/file%2B1.jsonl"
+    request = AWSRequest("PUT", url, data=b"{}\n", headers={
+        "x-amz-content-sha256": headers["x-amz-content-sha256"]})
+    monkeypatch.setattr("botocore.auth.get_current_datetime", lambda: now)
+    S3SigV4Auth(Credentials("AKIDEXAMPLE", "secret", "token"), "s3", "eu-west-1").add_auth(
+        request)
+    assert headers["authorization"] == request.headers["Authorization"]
+

@@ -1,0 +1,137 @@
+"""A batch job's files: ``batch_url`` read, ``output_url`` written, in S3 or over https.
+
+``s3://bucket/key`` is one object of the store the ``AWS_*`` variables name (the same keys,
+endpoint and region as a model in a bucket): its GET or PUT is signed by the model stage's
+signer (:func:`worker.model.bucket.object_request`, handed in by the mode that serves, as
+:data:`S3Signer`) and sent here. An ``https://`` URL (a presigned one, say) is read with a GET
+and written with a PUT, as vLLM's ``run_batch`` does with its ``-i``/``-o`` URLs; redirects are
+not followed. A URL's query (a presigned URL's signature) is never quoted
+(:func:`worker.jobs.batch_format.shown`).
+
+Every failure is an :class:`InvalidRequest` naming the field, the URL and what the store or
+server said, so that the job can say why its batch is unusable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from worker.errors import InvalidRequest
+from worker.jobs.batch_format import MAX_FILE_BYTES, FileUrl, shown
+
+S3Signer = Callable[[str, str, bytes], "tuple[str, dict[str, str]] | str"]
+"""(method, ``s3://bucket/key``, body) → the URL and signed headers of that request, or what
+the environment lacks to sign it."""
+
+_S3_CODE = re.compile(r"<Code>([^<]{1,80})</Code>")
+#: Tries of a write of the results (the batch's work is in them): at once, then 1 and 2 s later.
+WRITE_ATTEMPTS = 3
+
+
+class _Transient(Exception):
+    """A write that may succeed if tried again (no connection, a 5xx)."""
+
+
+class BatchFiles:
+    """Reads and writes batch files; ``sign_s3`` None: ``s3://`` URLs are refused."""
+
+    def __init__(self, sign_s3: S3Signer | None = None, *,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 timeout: float = 60.0) -> None:
+        self._sign_s3 = sign_s3
+        self._transport = transport
+        self._timeout = timeout
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=self._transport, timeout=self._timeout,
+                                 follow_redirects=False)
+
+    def _request(self, method: str, where: FileUrl, body: bytes) -> httpx.Request:
+        headers: dict[str, str] = {}
+        url = where.url
+        if where.scheme == "s3":
+            signed = self._sign_s3(method, url, body) if self._sign_s3 is not None else (
+                "no signer for s3:// on this worker")
+            if isinstance(signed, str):
+                raise InvalidRequest(
+                    f"'{where.field}' {where.url} cannot be reached: {signed}. Set them on the "
+                    "endpoint, as for a model in a bucket (docs/object-storage.md).",
+                    param=where.field)
+            url, headers = signed
+        return httpx.Request(method, url, headers=headers, content=body if body else None)
+
+    async def read(self, source: FileUrl) -> str:
+        """The text of the file at ``source`` (UTF-8), or InvalidRequest saying why not."""
+        request = self._request("GET", source, b"")
+        try:
+            async with self._client() as client:
+                response = await client.send(request, stream=True)
+                try:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise self._refused(source, "read", response)
+                    data = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        data += chunk
+                        if len(data) > MAX_FILE_BYTES:
+                            raise InvalidRequest(
+                                f"'{source.field}' {shown(source.url)} is larger than "
+                                f"{MAX_FILE_BYTES >> 20} MiB: split the batch into several "
+                                "jobs.", param=source.field)
+                finally:
+                    await response.aclose()
+        except httpx.HTTPError as exc:
+            raise self._unreachable(source, exc) from None
+        try:
+            return data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"'{source.field}' {shown(source.url)} is not UTF-8 text "
+                                 f"(byte {exc.start}).", param=source.field) from None
+
+    async def write(self, target: FileUrl, data: bytes) -> None:
+        """Write ``data`` at ``target`` (tried again on a failed connection or a 5xx), or
+        InvalidRequest saying why it could not be."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(_Transient), stop=stop_after_attempt(WRITE_ATTEMPTS),
+            wait=wait_exponential(multiplier=1, max=4), reraise=True,
+        ):
+            with attempt:
+                await self._put(target, data)
+
+    async def check(self, target: FileUrl) -> None:
+        """Whether ``target`` takes a write, before any line runs: an empty file written
+        there (the results replace it), or InvalidRequest saying why not."""
+        try:
+            await self._put(target, b"")
+        except _Transient as exc:
+            raise InvalidRequest(str(exc), param=target.field) from None
+
+    async def _put(self, target: FileUrl, data: bytes) -> None:
+        request = self._request("PUT", target, data)
+        try:
+            async with self._client() as client:
+                response = await client.send(request)
+        except httpx.HTTPError as exc:
+            raise _Transient(self._unreachable(target, exc).message) from None
+        if response.status_code >= 500:
+            raise _Transient(self._refused(target, "written", response).message)
+        if not 200 <= response.status_code < 300:
+            raise self._refused(target, "written", response)
+
+    @staticmethod
+    def _refused(where: FileUrl, doing: str, response: httpx.Response) -> InvalidRequest:
+        code = _S3_CODE.search(response.text[:4096])
+        said = f" ({code[1]})" if code else ""
+        return InvalidRequest(
+            f"'{where.field}' {shown(where.url)} cannot be {doing}: the server answered "
+            f"{response.status_code}{said}.", param=where.field)
+
+    @staticmethod
+    def _unreachable(where: FileUrl, exc: httpx.HTTPError) -> InvalidRequest:
+        return InvalidRequest(
+            f"'{where.field}' {shown(where.url)} cannot be reached ({type(exc).__name__}).",
+            param=where.field)
