@@ -63,8 +63,10 @@ STOP_HOLD = 10.0
 
 
 # -- sampling the worker ------------------------------------------------------------------------
-def last_stats(path: Path, newer_than: float = 0.0, timeout: float = 5.0) -> dict[str, Any]:
-    """The worker's latest stats line (worker/jobs/stats.py) written after ``newer_than``."""
+def last_stats(path: Path, newer_than: float = 0.0, timeout: float = 120.0) -> dict[str, Any]:
+    """The worker's latest stats line (worker/jobs/stats.py) written after ``newer_than``;
+    ``timeout`` only bounds a wait for a line that never comes: the soak's worker writes one
+    every half second, but a machine busy with other tests can hold it back for many."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(FileNotFoundError, ValueError, IndexError):

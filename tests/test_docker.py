@@ -301,7 +301,8 @@ def test_every_copied_file_is_in_the_build_context() -> None:
 
 
 def readme_docker_builds() -> list[list[str]]:
-    """The docs' ``docker build`` commands (Option 1's, then Option 2's), each once."""
+    """The docs' ``docker build`` commands (Option 1's, another vLLM's, Option 2's), each
+    once."""
     starts = {"docker", "HF_TOKEN=hf_..."}
     builds: list[list[str]] = []
     for block in docs.blocks("bash"):

@@ -146,7 +146,10 @@ def old_builder(bed: ImageBed, base_tags: list[str]) -> str:
 def readme_build(option: int, hub: FakeHub | None = None) -> dict[str, Any]:
     """The README's ``docker build`` of Option ``option`` as the bed's arguments: its build
     arguments and secrets, the model replaced by the stand-in Hub's gated repo."""
-    words = readme_docker_builds()[option - 1]
+    # Option 1's is the build without a build argument; Option 2's names the model.
+    [words] = [build for build in readme_docker_builds()
+               if ("MODEL_NAME=" in " ".join(build)) == (option == 2)
+               and ("--build-arg" in build) == (option == 2)]
     build_args: dict[str, str] = {}
     secrets: list[str] = []
     for flag, value in itertools.pairwise(words):
