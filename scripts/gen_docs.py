@@ -41,6 +41,7 @@ from worker.config.command import (  # noqa: E402 - after the path set-up above
     ALIASES,
     FORBIDDEN_FLAGS,
     PINNED_FLAGS,
+    _reserved_reason,
 )
 from worker.config.flags import FlagCatalog, packaged_catalog_path  # noqa: E402
 from worker.config.names import COLLIDING_NAMES, EARLIER_NAMES, RETIRED  # noqa: E402
@@ -162,9 +163,8 @@ def versions_table() -> str:
     history = packaged_history()
     every = frozenset(history.versions)
     # Not the flags the worker never sets from a variable, nor other programs' names.
-    never = {name for name in history.options if name in COLLIDING_NAMES or any(
-        history.options[name].startswith(flag) for flag in
-        (*PINNED_FLAGS, *FORBIDDEN_FLAGS, *_FORBIDDEN_PREFIXES))}
+    never = {name for name, option in history.options.items()
+             if name in COLLIDING_NAMES or _reserved_reason(option) is not None}
     rows = [(f"`{var}`", f"`{history.options[var]}`", ", ".join(history.spans(var)))
             for var in sorted(history.having) if history.having[var] != every
             and var not in never]

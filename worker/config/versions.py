@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.config.flags import PACKAGED_DIR, env_name
+
 #: The oldest vLLM the worker is tested with: the reference worker's documented version, run
 #: by the tests as the second CPU vLLM (``.venv-vllm-0.27.1``).
 OLDEST = "0.27.1"
@@ -34,7 +36,6 @@ RANGE_TEXT = f"{OLDEST} to {NEWEST_MINOR}.x"
 #: Where a user reads what changes between versions.
 GUIDE = "docs/deploy.md, 'Choosing a vLLM version'"
 
-_PACKAGED_DIR = Path(__file__).resolve().parent / "catalogs"
 _CATALOG_NAME = re.compile(r"vllm-(?P<version>\d[^/]*)\.json")
 
 
@@ -139,7 +140,7 @@ def history_of(catalogs: Mapping[str, Sequence[tuple[str, str]]]) -> FlagHistory
     return FlagHistory(versions, {var: frozenset(v) for var, v in having.items()}, options)
 
 
-def packaged_versions(directory: Path = _PACKAGED_DIR) -> tuple[str, ...]:
+def packaged_versions(directory: Path = PACKAGED_DIR) -> tuple[str, ...]:
     """The versions whose catalog is packaged, oldest first."""
     found = (m.group("version") for path in directory.glob("vllm-*.json")
              if (m := _CATALOG_NAME.fullmatch(path.name)))
@@ -150,11 +151,9 @@ def packaged_versions(directory: Path = _PACKAGED_DIR) -> tuple[str, ...]:
 def packaged_history() -> FlagHistory:
     """The history of the packaged catalogs (read once; only a variable that sets nothing in
     the running vLLM asks for it)."""
-    from worker.config.flags import env_name  # flags imports request_fields, not this module
-
     catalogs: dict[str, list[tuple[str, str]]] = {}
     for version in packaged_versions():
-        with open(_PACKAGED_DIR / f"vllm-{version}.json", encoding="utf-8") as handle:
+        with open(PACKAGED_DIR / f"vllm-{version}.json", encoding="utf-8") as handle:
             data = json.load(handle)
         catalogs[version] = [(env_name(flag["name"]), flag["name"]) for flag in data["flags"]]
     return history_of(catalogs)

@@ -233,7 +233,7 @@ class ClusterRank:
                     answers.append(await self._primary_check(plan) is None)
                     reason = primary_gone(answers, plan)
                 else:
-                    reason = await self._heartbeat(client, launch)
+                    reason = await heartbeat(client, launch)
                 if reason is not None:
                     return self._fail(f"Rank {plan.rank}: {reason}.")
 
@@ -247,9 +247,6 @@ class ClusterRank:
             return (await client.get("/health")).status_code == 200
         except httpx.HTTPError:
             return False
-
-    async def _heartbeat(self, client: httpx.AsyncClient, launch: Launch) -> str | None:
-        return await heartbeat(client, launch)
 
     def _death(self, launch: Launch, code: int) -> str:
         assert self.process is not None
