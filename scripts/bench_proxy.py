@@ -560,8 +560,8 @@ async def bench_batch_delay(proxy: Proxy, slow_events: int) -> None:
 
 # -- the run -------------------------------------------------------------------------------
 async def main_async(url: str, sizes: Sizes, profile: bool) -> None:
-    settings = Settings(vllm_base_url=url, request_timeout=30)
-    pool = settings.max_concurrency + 8
+    settings = Settings(vllm_base_url=url, request_timeout=30, max_concurrency=30)
+    pool = 30 + 8
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     proxy = Proxy(settings)
     proxy_httpx = Proxy(settings, transport=httpx.AsyncHTTPTransport(limits=limits))

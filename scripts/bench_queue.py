@@ -7,21 +7,22 @@ client straight to vLLM.
         [--engine multiprocessing in-process] [--worker-tree PATH] [--json FIGURES.json]
 
 Why: what a user of a streaming endpoint feels first is the time to the first token, and a
-queue endpoint puts the platform and the worker's job loop between the client and vLLM.
-This runs what production runs: ``python -m worker`` (serverless, MAX_CONCURRENCY = the
-largest concurrency) over the real CPU vLLM serving the tiny model, the real runpod SDK loop
-taking jobs from the fake job API (tests/fake_job_api.py, in this process) and posting each
-yield back to it, and the stand-in of the platform's ``/openai/v1`` routes
-(tests/fake_platform.py: a request becomes a job ``{openai_route, openai_input}``, each
-stream POST is written to the client as it arrives). The client is ``vllm bench serve``
-(random prompts of --input-len tokens, --output-len tokens out, ``--ignore-eos``), run for
-each concurrency and round first straight to vLLM, then through the stand-in. Then the same
-with the worker in load-balancer mode (``WORKER_MODE=lb``, its own vLLM): the client straight
-to vLLM, then to the worker's port. Each part runs once per ``--engine``: vLLM's default
-multiprocessing (the engine core in a process of its own, busy on a CPU while it serves: how
-the endpoints run it), then the engine in the API server's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the tests run it). ``--worker-tree`` runs the worker
-of another checkout (scripts/bisect_queue.py gives it a git worktree of each commit).
+queue endpoint puts the platform and the worker's job loop between the client and vLLM. This
+runs what production runs: ``python -m worker`` (serverless, MAX_CONCURRENCY = the largest
+concurrency, or ``--max-concurrency``) over the real CPU vLLM serving the tiny model, the
+real runpod SDK loop taking jobs from the fake job API (tests/fake_job_api.py, in this
+process) and posting each yield back to it, and the stand-in of the platform's
+``/openai/v1`` routes (tests/fake_platform.py: a request becomes a job ``{openai_route,
+openai_input}``, each stream POST is written to the client as it arrives). The client is
+``vllm bench serve`` (random prompts of --input-len tokens, --output-len tokens out,
+``--ignore-eos``), run for each concurrency and round first straight to vLLM, then through
+the stand-in. Then the same with the worker in load-balancer mode (``WORKER_MODE=lb``, its
+own vLLM): the client straight to vLLM, then to the worker's port. Each part runs once per
+``--engine``: vLLM's default multiprocessing (the engine core in a process of its own, busy
+on a CPU while it serves: how the endpoints run it), then the engine in the API server's
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the tests run it). ``--worker-tree`` runs
+the worker of another checkout (scripts/bisect_queue.py gives it a git worktree of each
+commit).
 
 Figures, per concurrency (medians over the rounds of each round's percentile):
 
@@ -386,7 +387,8 @@ def queue_part(bench: Bench, engine: str) -> None:
         worker = WorkerProcess(
             [sys.executable, "-m", "worker"],
             {**bench.worker_env(engine), **api.env(), "VLLM_PORT": str(vllm_port),
-             "MAX_CONCURRENCY": str(max(bench.args.concurrency)),
+             "MAX_CONCURRENCY": "" if bench.args.max_concurrency == "unset" else
+             bench.args.max_concurrency or str(max(bench.args.concurrency)),
              "WORKER_TIMELINE_FILE": str(timelines)},
             log_path=bench.scratch / f"queue-worker-{engine}.log", cwd=bench.worker_cwd)
         try:
@@ -445,6 +447,9 @@ def main() -> int:
                         help="how vLLM runs its engine: multiprocessing (its default, as the "
                              "endpoints run it) and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,"
                              " as the tests run it)")
+    parser.add_argument("--max-concurrency", default=None,
+                        help="the queue worker's MAX_CONCURRENCY (default: the largest "
+                             "--concurrency; 'unset': leave it unset, the worker's default)")
     parser.add_argument("--worker-tree", type=Path,
                         help="run the worker of this checkout (e.g. a git worktree of an older "
                              "commit, to bisect); the benchmark's own parts stay this one's")

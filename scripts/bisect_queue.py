@@ -41,6 +41,7 @@ COLUMNS = {
         ("whole first POST", "whole_first_post_pct", "{:.0f} %"),
         ("take->POST p50", "take_to_post_p50_ms", "{:.0f}"),
         ("take->POST p90", "take_to_post_p90_ms", "{:.0f}"),
+        ("CPU ms/1k tok", "worker_cpu_ms_per_1000_tokens", "{:.0f}"),
         ("POSTs/job p50", "posts_per_job_p50", "{:.0f}"),
         ("TTFT p50 queue", "worker_ttft_p50_ms", "{:.0f}"),
         ("TTFT p50 vLLM", "vllm_ttft_p50_ms", "{:.0f}"),
@@ -72,6 +73,8 @@ def one_run(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "--rounds", "1", "--prompts", str(args.prompts), "--engine", args.engine,
             "--concurrency", str(args.concurrency), "--worker-tree", str(tree),
             "--json", str(out)]
+    if args.max_concurrency is not None:
+        argv += ["--max-concurrency", args.max_concurrency]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
     (out.with_suffix(".log")).write_text(done.stdout + done.stderr)
     if not out.exists():
@@ -102,6 +105,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=160)
     parser.add_argument("--part", choices=("queue", "lb"), default="queue")
+    parser.add_argument("--max-concurrency", default=None,
+                        help="the queue worker's MAX_CONCURRENCY, passed to bench_queue.py "
+                             "('unset': each commit's default)")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bisect-queue-"))

@@ -117,7 +117,9 @@ def _start_baked_worker(tiny_env: dict[str, str], tiny_model: Path,
     env = {**tiny_env, "BAKED_MODEL_FILE": str(baked), "MODEL_NAME": "acme/not-this-one",
            "HF_HUB_OFFLINE": "",
            # tests/test_e2e_failures.py's SIGTERM finds a batch with lines not yet sent.
-           "BATCH_CONCURRENCY": "2"}
+           "BATCH_CONCURRENCY": "2",
+           # As many jobs as vLLM has room for (tests/test_e2e_config.py reads what).
+           "MAX_CONCURRENCY": ""}
     return start_serving(env, folder / "worker.log")
 
 
@@ -128,7 +130,8 @@ pooled("retiring_baked_worker", "baked", ends_it=True)
 @pytest.fixture
 def baked_worker(tiny_env: dict[str, str], tiny_model: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Serving:
-    """A queue worker serving a model baked into the image (tests/test_e2e_config.py)."""
+    """A queue worker serving a model baked into the image (tests/test_e2e_config.py), with
+    MAX_CONCURRENCY unset: it takes as many jobs as its vLLM has room for."""
     return POOL.get("baked", lambda: _start_baked_worker(tiny_env, tiny_model, tmp_path_factory))
 
 

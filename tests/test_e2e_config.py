@@ -6,12 +6,15 @@
   (``VLLM_EXTRA_ARGS`` over the earlier release's variable, the config file);
 * ``DEFAULT_MAX_TOKENS`` for prompt and messages jobs, and vLLM's own 16 without it;
 * LoRA adapters without ``ENABLE_LORA`` are served (the worker adds ``--enable-lora``);
-* a model baked into the image is served under its repo id.
+* a model baked into the image is served under its repo id;
+* with MAX_CONCURRENCY unset, the worker takes jobs by what vLLM's own start-up line and
+  /metrics say (the same worker).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +100,29 @@ def test_a_baked_model_is_served_under_its_repo_id(baked_worker: Serving) -> Non
     log = worker.log()
     assert "hub pre-flight of" not in log  # a baked model never asks the hub
     assert "MODEL_NAME='acme/not-this-one' is replaced by" in log
+
+
+def test_without_max_concurrency_the_worker_takes_what_vllms_own_figures_say(
+        baked_worker: Serving) -> None:
+    """The figures of the worker's first line on capacity are those vLLM logged (its KV
+    cache, read from the real line; its running batch, vLLM's default on a CPU), and the
+    worker reads vLLM's real /metrics while jobs run."""
+    job_api, worker = baked_worker.api, baked_worker.worker
+    answer(job_api, {"prompt": "Hello", "sampling_params": {"max_tokens": 32,
+                                                           "ignore_eos": True}})
+    log = worker.log()
+    kv = re.search(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
+                   r"tokens per request: ([\d.]+)x", log)
+    assert kv is not None, "vLLM logged no KV cache size"
+    tokens, context, requests = (int(kv[1].replace(",", "")), int(kv[2].replace(",", "")),
+                                 float(kv[3]))
+    # At first, requests of the whole context in all of the KV cache but vLLM's null block
+    # (16 tokens until vLLM's /metrics has said its block size).
+    first = min(128, (tokens - 16) // context)
+    assert (f"taking up to 128 jobs at once, as vLLM has room (MAX_CONCURRENCY auto; "
+            f"{first} at first): vLLM batches 128 sequences (its default on a CPU); its KV "
+            f"cache holds {requests:,.1f} requests of {context:,} tokens ({tokens:,} tokens)"
+            ) in log
+    worker.wait_for_log("reading vLLM's load from its /metrics every 0.5 s while jobs run; "
+                        "now: ", timeout=120)
+    assert "/metrics has no load figures" not in worker.log()

@@ -174,7 +174,7 @@ def test_gen_docs_check_fails_on_a_stale_table(monkeypatch: pytest.MonkeyPatch,
     for page in module.PAGES:
         (tmp_path / page).write_text(docs.page(page))
     stale = tmp_path / "configuration.md"
-    row = "| `MAX_CONCURRENCY` | `30` |"
+    row = "| `WORKER_DRAIN_TIMEOUT` | `30` |"
     text = docs.page(CONFIGURATION)
     assert row in text
     stale.write_text(text.replace(row, row.replace("30", "3")))

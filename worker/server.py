@@ -17,6 +17,7 @@ loop. ``run_serverless`` serves Runpod's job API; ``run_local`` the runpod SDK's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -26,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+from worker.config.capacity import Capacity
 from worker.config.settings import Settings
 from worker.errors import PrestartFailed, WorkerError
 from worker.jobs.batch import BatchOptions
@@ -34,6 +36,7 @@ from worker.jobs.batch_format import concurrency
 from worker.jobs.handler import BackendFailureProbe, Proxy
 from worker.jobs.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
 from worker.jobs.loopwatch import watching
+from worker.jobs.pacer import Pacer
 from worker.jobs.stats import StatsOptions
 from worker.model.adapters import adapter_sources
 from worker.model.bucket import object_request
@@ -45,8 +48,8 @@ _DEATH_DRAIN_TIMEOUT = 1.5
 
 ProxyFactory = Callable[[str | None, BackendFailureProbe], Proxy]
 """A proxy for the served model's default name, with the probe that tells vLLM's death."""
-JobLoopFactory = Callable[[Handler, int, StatsOptions], JobLoop]
-"""A job loop for a handler at a concurrency, with its stats hook."""
+JobLoopFactory = Callable[[Handler, Pacer, StatsOptions], JobLoop]
+"""A job loop for a handler, taking as many jobs as the pacer says, with its stats hook."""
 
 
 class QueueWorker:
@@ -68,6 +71,8 @@ class QueueWorker:
         self._started = time.monotonic() if started_at is None else started_at
         self._exit_code = 0
         self._jobs: JobLoop | None = None
+        self._pacer: Pacer | None = None
+        self._capacity: Capacity | None = None
         # Seconds vLLM's group gets between SIGTERM and SIGKILL at our stop.
         self._stop_grace = 15.0
 
@@ -76,10 +81,11 @@ class QueueWorker:
         adapters = adapter_sources(launch) if launch is not None else None
         if adapters is not None and (summary := adapters.summary()) is not None:
             logger.info("%s", summary)
+        batches = self._batch_options()
         return Proxy(self.settings, served_model=served_model, backend_failure=probe,
                      adapters=adapters,
                      request_fields=launch.command.request_fields if launch else None,
-                     batches=self._batch_options())
+                     batches=batches, pacer=self._pacer_of(batches))
 
     def _batch_options(self) -> BatchOptions:
         """Batch jobs' lines in flight (BATCH_CONCURRENCY, else vLLM's running batch), and
@@ -87,9 +93,17 @@ class QueueWorker:
         streamer gets)."""
         launch = self.startup.launch
         max_num_seqs = launch.command.value("--max-num-seqs") if launch else None
+        if max_num_seqs is None and self._capacity is not None:
+            max_num_seqs = str(self._capacity.max_num_seqs)
         sign = functools.partial(object_request, dict(launch.env) if launch else {})
         return BatchOptions(concurrency(self.settings.batch_concurrency, max_num_seqs),
                             BatchFiles(sign), self.settings.progress_interval)
+
+    def _pacer_of(self, batches: BatchOptions) -> Pacer:
+        """How many jobs the worker takes: MAX_CONCURRENCY, or what its vLLM can run."""
+        self._pacer = Pacer(self.settings.max_concurrency, self._capacity,
+                            line_limit=batches.concurrency)
+        return self._pacer
 
     # -- the whole run -------------------------------------------------------------------
     def run_serverless(self) -> int:
@@ -113,7 +127,9 @@ class QueueWorker:
             config: dict[str, Any] = {
                 "handler": self._handler(outcome, self._proxy(outcome)),
                 "return_aggregate_stream": True,
-                "concurrency_modifier": lambda _: self.settings.max_concurrency,
+                # The SDK's local API runs each request it gets at once (no take loop);
+                # --test_input runs one job.
+                "concurrency_modifier": lambda _: self.settings.max_concurrency or 1,
             }
             sys.argv = [sys.argv[0], *sdk_args]
             logger.info("taking jobs through the runpod SDK's local mode (%s)",
@@ -195,6 +211,7 @@ class QueueWorker:
         """The proxy to a healthy vLLM (None after a failed start)."""
         if outcome.error is not None:
             return None
+        self._capacity = outcome.capacity
         served = outcome.command.default_model_name if outcome.command is not None else None
         return self._proxy_factory(served, self._vllm_failure)
 
@@ -212,8 +229,8 @@ class QueueWorker:
         handler = self._handler(outcome, proxy)
         stats = StatsOptions(self.settings.stats_file, self.settings.stats_interval,
                              self.settings.timeline_file)
-        jobs = self._job_loop_factory(self._noting_first_job(handler),
-                                      self.settings.max_concurrency, stats)
+        pacer = self._pacer or Pacer(self.settings.max_concurrency or 1)
+        jobs = self._job_loop_factory(self._noting_first_job(handler), pacer, stats)
         self._jobs = jobs
 
         def on_signal(sig: signal.Signals) -> None:
@@ -242,10 +259,18 @@ class QueueWorker:
         if outcome.healthy_at is not None:
             summary += f", {1000 * (started - outcome.healthy_at):.0f} ms after vLLM was healthy"
         logger.info("%s", summary)
+        if proxy is not None:
+            logger.info("%s", pacer.start_line())
+        reading = asyncio.create_task(pacer.run(proxy.metrics), name="vllm-metrics") \
+            if proxy is not None else None
         try:
             with watching(self.settings.loop_stall_warning if proxy is not None else 0):
                 await jobs.run()
         finally:
+            if reading is not None:
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
             if proxy is not None:
                 await proxy.aclose()
         return self._exit_code

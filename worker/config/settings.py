@@ -77,6 +77,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_int_or_auto(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _positive_int(text)
+    except ValueError:
+        raise ValueError("must be auto or a whole number, at least 1") from None
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 0):  # also refuses nan and inf
@@ -141,7 +150,8 @@ def _text(text: str) -> str:
 
 
 _NUMBERS: frozenset[Callable[[str], Any]] = frozenset(
-    {_positive_int, _non_negative_float, _positive_float, _growth_factor, _port})
+    {_positive_int, _positive_int_or_auto, _non_negative_float, _positive_float,
+     _growth_factor, _port})
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -163,13 +173,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_PORT", "vllm_port", 18000, _port,
             "Port of vLLM's API on 127.0.0.1, inside the container (never exposed); change it "
             "only when something else in the container needs 18000."),
-    Setting("MAX_CONCURRENCY", "max_concurrency", 30, _positive_int,
-            "Jobs this worker runs at once (runpod concurrency_modifier and the HTTP pool)."),
+    Setting("MAX_CONCURRENCY", "max_concurrency", None, _positive_int_or_auto,
+            "Jobs this worker runs at once. `auto` (or unset): as many as its vLLM has room "
+            "for, by vLLM's running batch (MAX_NUM_SEQS), its KV cache and its queue "
+            "([how](#how-many-jobs-a-worker-takes)); a number: that many, whatever vLLM says.",
+            shown_default="auto"),
     Setting("BATCH_CONCURRENCY", "batch_concurrency", None, _positive_int,
             "Lines of batch jobs (docs/batch.md) sent to vLLM at once, all batches of the worker "
-            "together; each batch counts as one job of MAX_CONCURRENCY.",
-            shown_default="MAX_NUM_SEQS when the endpoint sets it (vLLM's running batch), "
-                          "else 256 (vLLM's max_num_seqs on most GPUs)"),
+            "together; each batch counts as one job of MAX_CONCURRENCY, and its lines fill "
+            "the room the other jobs leave.",
+            shown_default="vLLM's running batch: MAX_NUM_SEQS when the endpoint sets it, else "
+                          "vLLM's default for the GPU (256; 1,024 on a GPU of 70 GiB or more)"),
     Setting("DEFAULT_MAX_TOKENS", "default_max_tokens", None, _positive_int,
             "Tokens to generate for a prompt or messages job that sets no max_tokens.",
             shown_default="vLLM's default: 16 for a prompt, up to the context for messages"),
@@ -292,7 +306,8 @@ class Settings:
     health_check_path: str = "/ping"
     vllm_executable: str = "vllm"
     vllm_base_url: str = ""
-    max_concurrency: int = 30
+    max_concurrency: int | None = None
+    """None: ``auto`` (:mod:`worker.jobs.pacer`)."""
     batch_concurrency: int | None = None
     default_batch_size: int = 50
     default_min_batch_size: int = 1

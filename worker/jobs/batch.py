@@ -30,6 +30,7 @@ to vLLM through the proxy's own pooled client (:meth:`worker.jobs.handler.Proxy.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -40,6 +41,7 @@ from typing import Any
 from worker.errors import InvalidRequest, WorkerError
 from worker.jobs import batch_format as fmt
 from worker.jobs.batch_files import BatchFiles
+from worker.jobs.pacer import Pacer
 from worker.jobs.relay import PendingBatches
 from worker.jobs.routing import BatchPolicy, VllmRequest
 
@@ -59,6 +61,10 @@ class BatchOptions:
     progress_interval: float = 10.0
 
 
+def _release(pacer: Pacer, tokens: int, _task: object) -> None:
+    pacer.release_line(tokens)
+
+
 def _result_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
@@ -66,11 +72,14 @@ def _result_id() -> str:
 class BatchRunner:
     """Runs batch jobs over one :data:`LineSender`, their lines sharing the worker's slots."""
 
-    def __init__(self, send: LineSender, options: BatchOptions) -> None:
+    def __init__(self, send: LineSender, options: BatchOptions, pacer: Pacer | None = None
+                 ) -> None:
         self._send = send
         self._options = options
         self._files = options.files or BatchFiles()
-        self._slots = asyncio.Semaphore(options.concurrency)
+        # The lines' gate: BATCH_CONCURRENCY lines at most, none while an ordinary job taken
+        # is on its way to vLLM, and with MAX_CONCURRENCY auto only in the room vLLM has.
+        self._pacer = pacer or Pacer(options.concurrency, line_limit=options.concurrency)
         self._runs: set[_Run] = set()
         self._drain: float | None = None  # set by a SIGTERM: the lines' share of the drain
 
@@ -173,14 +182,15 @@ class _Run:
                                                 time.monotonic() - self._started))
 
     async def _send_lines(self) -> None:
-        slots = self._runner._slots
+        pacer = self._runner._pacer
         for line in self._lines:
-            await slots.acquire()
+            tokens = pacer.tokens(line.request.route, line.request.body)
+            await pacer.acquire_line(tokens)
             task = asyncio.create_task(self._line(line), name="batch-line")
             self._in_flight[task] = line
             self._sent += 1
             # Freed however the task ends, even cancelled before it began.
-            task.add_done_callback(lambda _: slots.release())
+            task.add_done_callback(functools.partial(_release, pacer, tokens))
             task.add_done_callback(self._ended)
 
     async def _line(self, line: fmt.BatchLine) -> None:

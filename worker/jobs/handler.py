@@ -42,6 +42,7 @@ from worker.jobs import timeline
 from worker.jobs.batch import BatchOptions, BatchRunner
 from worker.jobs.batch_format import LineAnswer, is_batch
 from worker.jobs.forms import httpx_parts
+from worker.jobs.pacer import Pacer
 from worker.jobs.relay import SseRelay
 from worker.jobs.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input, sent_model
 
@@ -157,6 +158,7 @@ class Proxy:
         adapters: AdapterErrors | None = None,
         request_fields: RequestFields | None = None,
         batches: BatchOptions | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         if not _is_loopback(settings.base_url):
             raise ConfigError(
@@ -183,7 +185,10 @@ class Proxy:
             request_fields=request_fields,
         )
         self._batch_options = batches or BatchOptions()
-        self._batches = BatchRunner(self.answer, self._batch_options)
+        # What the worker holds in vLLM (its jobs' sizes, its batches' lines).
+        self._pacer = pacer or Pacer(settings.max_concurrency or self._batch_options.concurrency,
+                                     line_limit=self._batch_options.concurrency)
+        self._batches = BatchRunner(self.answer, self._batch_options, self._pacer)
         # What the log has heard of jobs' fields: each note once, not once per job.
         self._noted: set[str] = set()
         read_timeout = settings.request_timeout or None
@@ -193,8 +198,9 @@ class Proxy:
     def _get_client(self) -> httpx.AsyncClient:
         # Created lazily: an aiohttp-backed client belongs to the loop that runs the jobs.
         if self._client is None:
-            # Every job, and every line of the batches in flight, with a connection of its own.
-            pool = self._settings.max_concurrency + self._batch_options.concurrency + 8
+            # Every job, every line of the batches in flight and the reads of vLLM's figures,
+            # each with a connection of its own.
+            pool = self._pacer.ceiling + self._batch_options.concurrency + 8
             limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool,
                                   keepalive_expiry=PROXY_IDLE_SECONDS)
             transport = self._transport
@@ -234,6 +240,7 @@ class Proxy:
             job_input = job.get("input")
             if is_batch(job_input):
                 assert isinstance(job_input, dict)
+                self._pacer.batch(job.get("id"))
                 async for piece in self._batches.run(job.get("id"), job_input,
                                                      self._job_defaults.batch):
                     yield piece
@@ -244,6 +251,7 @@ class Proxy:
                     self._noted.add(note)
                     logger.warning("%s (logged once)", note)
             request = await self._with_default_model(request)
+            self._pacer.sending(job.get("id"), request.route, request.body)
             async for item in self._forward(request):
                 yield item
                 timeline.mark("first_posted")  # the SDK posts a yield before the next
@@ -286,6 +294,14 @@ class Proxy:
                 finally:
                     await response.aclose()
         return self._served_model
+
+    async def metrics(self) -> str | None:
+        """vLLM's /metrics (Prometheus text); None when it has no such route."""
+        response = await self._get_client().get(self._base_url + "/metrics")
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        return response.text
 
     async def answer(self, request: VllmRequest) -> LineAnswer:
         """One request answered whole (a batch's line), the served model filled in: vLLM's

@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from worker.jobs import stats, timeline
 from worker.jobs.jobapi import job_api_session
+from worker.jobs.pacer import Pacer
 
 logger = logging.getLogger("worker.jobloop")
 
@@ -39,13 +40,15 @@ class JobLoop:
     """The SDK's job-taking loop for one handler, until :meth:`stop` and a drain."""
 
     def __init__(
-        self, handler: Handler, concurrency: int, stats_options: stats.StatsOptions | None = None
+        self, handler: Handler, pacer: Pacer | int,
+        stats_options: stats.StatsOptions | None = None,
     ) -> None:
+        """``pacer`` says how many jobs to take (an int: that many at most)."""
         from runpod.serverless.modules import rp_scale
 
         self._sdk_log = rp_scale.log  # the SDK's logger, for the lines the SDK's loop wrote
         self._too_many_requests = rp_scale.TooManyRequests
-        self._concurrency = concurrency
+        self._pacer = pacer if isinstance(pacer, Pacer) else Pacer(pacer)
         self._stats = stats_options or stats.StatsOptions()
         self._scaler = rp_scale.JobScaler(
             {
@@ -63,9 +66,12 @@ class JobLoop:
         self._slot_freed = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()
         self._timelines: IO[str] | None = None  # each job's line (off: None)
+        self._pacer.on_change(self._slot_freed.set)
 
     def _concurrency_modifier(self, _current: int) -> int:
-        return self._concurrency
+        # The SDK's queue of taken jobs, sized once (set_scale); each job only passes
+        # through it (_start): the count to take is the pacer's.
+        return self._pacer.ceiling
 
     def stop(self, drain_timeout: float) -> None:
         """Stop taking jobs now; :meth:`run` then gives in-flight jobs ``drain_timeout`` s.
@@ -112,10 +118,10 @@ class JobLoop:
         and when none is free wait for a job to end (the SDK's ``get_jobs`` and ``run_jobs``,
         without their pauses; its error handling as it is)."""
         scaler = self._scaler
-        await scaler.set_scale()  # the SDK's queue, sized to the concurrency
+        await scaler.set_scale()  # the SDK's queue, sized to the most jobs ever held
         while scaler.is_alive():
             self._slot_freed.clear()
-            needed = scaler.current_concurrency - scaler.current_occupancy()
+            needed = self._pacer.room(scaler.current_occupancy())
             if needed <= 0:
                 await self._slot_freed.wait()
                 continue
@@ -149,10 +155,12 @@ class JobLoop:
         scaler.jobs_queue.put_nowait(job)
         scaler.job_progress.add(job)
         scaler.jobs_queue.get_nowait()
+        self._pacer.taken(job["id"])
         out = self._timelines
         context, line = timeline.context_for(job["id"]) if out is not None else (None, None)
         task = asyncio.create_task(scaler.handle_job(session, job), name="runpod-job",
                                    context=context)
+        task.add_done_callback(lambda _: self._pacer.ended(job["id"]))
         scaler.jobs_tasks[job["id"]] = task
         self._running.add(task)
         task.add_done_callback(self._ended)

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from worker.config.capacity import Capacity, capacity_of, read_start_figures
 from worker.config.resolved import Launch, VllmCommand
 from worker.errors import ConfigError, StartupError, WorkerError
 from worker.model.adapters import adapter_sources, missing_adapter_folder
@@ -81,6 +82,8 @@ class StartOutcome:
     command: VllmCommand | None = None
     healthy_at: float | None = None
     tried: list[str] = field(default_factory=list)
+    capacity: Capacity | None = None
+    """What the healthy vLLM can run (its running batch, its KV cache), from its log."""
 
     @property
     def ready(self) -> bool:
@@ -131,6 +134,7 @@ class Startup:
         self._clock = clock
         self._sleep = sleep
         self._downloading: set[str] = set()
+        self._gpus: Sequence[int] | str | None = None  # nvidia-smi's answer, once asked
         self._reporter: asyncio.Task[None] | None = None
         self.process: VllmProcess | None = None
         """The vLLM of the latest attempt (stopped by the runner at the end)."""
@@ -187,7 +191,9 @@ class Startup:
                     hub = asyncio.create_task(self._check_hub(launch))
                     continue
                 if isinstance(decision, Serve):
-                    return StartOutcome(None, launch.command, time.monotonic(), tried)
+                    healthy_at = time.monotonic()
+                    capacity = await asyncio.to_thread(self._capacity, launch)
+                    return StartOutcome(None, launch.command, healthy_at, tried, capacity)
                 if isinstance(decision, Fail):
                     return StartOutcome(decision.error, launch.command, None, tried)
                 assert isinstance(decision, Relaunch)
@@ -320,12 +326,21 @@ class Startup:
     def _weight_check(self, launch: Launch, result: PreflightResult) -> WeightCheck:
         """The check's verdict (blocks: nvidia-smi, the disk, a bucket's listing); the weights
         are counted only with GPUs to compare them with."""
-        gpus = self._gpu_memory()
+        gpus = self._gpus = self._gpu_memory()
         list_bucket = partial(list_objects, env=launch.env,
                               timeout=self.settings.hub_check_timeout or 10.0)
         weights = gpus if isinstance(gpus, str) else model_weights(
             launch.command, result.listings, list_bucket=list_bucket)
         return check_weights(weights, gpus, launch.command)
+
+    def _capacity(self, launch: Launch) -> Capacity:
+        """What the healthy vLLM can run: its log's KV cache figures, its running batch
+        (blocks: nvidia-smi, when the weight check did not ask it already)."""
+        figures = read_start_figures(self.process.tail() if self.process is not None else ())
+        gpus = self._gpus
+        if gpus is None:
+            gpus = self._gpu_memory() if figures.device not in (None, "CPU") else "no GPU"
+        return capacity_of(launch.command, figures, gpus)
 
     def _prefetch(self, download: Download, launch: Launch) -> None:
         if not self.settings.prefetch:

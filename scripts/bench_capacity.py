@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""How many jobs a worker takes, measured: ``MAX_CONCURRENCY`` auto against fixed numbers.
+
+    .venv/bin/python scripts/bench_capacity.py [--part saturation small-kv fleet]
+        [--jobs 400] [--fixed 30 64 128 256] [--json FIGURES.json]
+
+Each part runs what production runs: ``python -m worker`` in serverless mode, the real runpod
+SDK loop taking jobs from the fake job API (tests/fake_job_api.py, in this process), over the
+real CPU vLLM serving the tiny model with vLLM's default multiprocessing engine (the engine
+core in a process of its own, as the endpoints run it). A fresh worker (and vLLM) per setting.
+
+* **saturation**: ``--jobs`` jobs of 96 tokens (``ignore_eos``, not streamed), all queued at
+  once (after ``--warmup`` jobs, not measured: vLLM's first big batches are slower), on a
+  vLLM with ``MAX_NUM_SEQS=256`` and a KV cache for 256 such sequences. Output
+  tokens per second from the first job taken to the last done, for ``auto`` and each
+  ``--fixed`` number; then the same requests sent straight to vLLM (the last worker's) by a
+  client holding each of those numbers in flight; the median of ``--rounds`` rounds each.
+  Goal (issue 45): ``auto`` at least 0.95 of the best fixed number through the queue; its
+  ratio to the best direct figure is printed too.
+* **small-kv**: a KV cache that holds about 4 requests of the whole context (512 tokens), 48
+  jobs that write 400 tokens each; vLLM's ``/metrics`` sampled every 0.2 s. Goal: while jobs
+  remain in the platform's queue, vLLM's waiting requests at most 1 at p90, and no request
+  preempted; the same figures for ``MAX_CONCURRENCY=30``.
+* **lb**: a load-balancing worker has no take loop: ``--lb-requests`` requests sent at once,
+  far over its vLLM's running batch (the stand-in vLLM of tests/capacity_vllm.py, 8
+  sequences), straight to vLLM and through the worker's relay: each answer's time, and what
+  the relay held meanwhile (its CPU, its peak memory).
+* **fleet**: scripts/bench_fleet.py (stand-in vLLMs of different capacities and speeds, four
+  workers, one job API): its figures, for ``auto``, 30 and 300.
+
+The figures never fail the run; the exit code is 1 only when a job failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp  # noqa: E402
+
+from tests.fake_job_api import FakeJobApi, peak_in_flight  # noqa: E402
+from tests.fake_vllm import free_port  # noqa: E402
+from tests.soak import percentile  # noqa: E402
+from tests.tiny_model import script_env  # noqa: E402
+from tests.worker_process import WorkerProcess, base_env  # noqa: E402
+from worker.jobs.capacity import Load, parse_metrics  # noqa: E402
+
+GOAL_AUTO_TO_BEST_FIXED = 0.95
+GOAL_WAITING_P90 = 1.0
+#: The saturation part's jobs: a prompt of about 32 tokens, 96 written.
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+OUT_TOKENS = 96
+
+
+@dataclass
+class Sample:
+    at: float
+    load: Load
+    queued: int  # jobs still in the platform's queue
+
+
+@dataclass
+class Sampler:
+    """vLLM's /metrics read every ``interval`` s in a thread, beside the job API's queue."""
+
+    url: str
+    api: FakeJobApi | None
+    interval: float = 0.2
+    samples: list[Sample] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+                    load = parse_metrics(response.read().decode())
+            except OSError:
+                continue
+            if load is not None:
+                queued = len(self.api.queue) if self.api is not None else 0
+                self.samples.append(Sample(time.monotonic(), load, queued))
+
+    @contextmanager
+    def running(self) -> Iterator[Sampler]:
+        thread = threading.Thread(target=self.run, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join(30)
+
+
+def worker_env(scratch: Path, **extra: str) -> dict[str, str]:
+    env = {**base_env(), **script_env(scratch)}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default engine
+    env.pop("MAX_CONCURRENCY", None)
+    return {**env, **extra}
+
+
+@contextmanager
+def worker(api: FakeJobApi, scratch: Path, name: str, setting: str,
+           env: dict[str, str]) -> Iterator[tuple[WorkerProcess, int]]:
+    """A worker taking jobs from ``api`` with MAX_CONCURRENCY=``setting``; its vLLM's port."""
+    port = free_port()
+    process = WorkerProcess([sys.executable, "-m", "worker"],
+                            {**env, **api.env(), "VLLM_PORT": str(port),
+                             "MAX_CONCURRENCY": setting},
+                            log_path=scratch / f"{name}-{setting}.log", cwd=ROOT)
+    try:
+        process.wait_for_log("taking jobs", timeout=600)
+        yield process, port
+    finally:
+        process.kill()
+
+
+def job_input() -> dict[str, Any]:
+    return {"prompt": PROMPT, "sampling_params": {"max_tokens": OUT_TOKENS, "ignore_eos": True}}
+
+
+def run_jobs(api: FakeJobApi, inputs: list[dict[str, Any]], timeout: float = 1800
+             ) -> dict[str, float]:
+    """Queue every job at once; wait for all; the platform's figures."""
+    ids = [api.submit(item) for item in inputs]
+    records = [api.wait_done(job_id, timeout=timeout) for job_id in ids]
+    failed = [r.id for r in records if isinstance(r.done, dict) and "error" in r.done]
+    if failed:
+        raise SystemExit(f"bench_capacity: {len(failed)} job(s) failed, e.g. "
+                         f"{api.jobs[failed[0]].done}")
+    first = min(r.taken_at or r.submitted_at for r in records)
+    last = max(r.done_at or 0.0 for r in records)
+    waits = [(r.taken_at or 0.0) - r.submitted_at for r in records]
+    return {"seconds": last - first, "jobs": len(records), "peak_in_flight": peak_in_flight(
+        records), "wait_p50_s": percentile(waits, 50), "wait_p90_s": percentile(waits, 90)}
+
+
+async def direct(url: str, model: str, jobs: int, concurrency: int) -> float:
+    """Seconds for ``jobs`` requests straight to vLLM, ``concurrency`` in flight (aiohttp: the
+    worker's own transport; httpx's own pool is the bottleneck at these concurrencies, 868
+    tokens/s at 30 where aiohttp got 5,423 from the same vLLM)."""
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one() -> None:
+            async with slots, session.post(url + "/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": OUT_TOKENS,
+                    "ignore_eos": True}) as response:
+                await response.read()
+                response.raise_for_status()
+
+        started = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(jobs)))
+        return time.monotonic() - started
+
+
+def saturation(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    env = worker_env(scratch, MAX_NUM_SEQS="256", KV_CACHE_MEMORY_BYTES="128M")
+    settings = ["auto", *(str(n) for n in args.fixed)]
+    queue: dict[str, dict[str, float]] = {}
+    straight: dict[str, float] = {}
+    tokens = args.jobs * OUT_TOKENS
+    for setting in settings:
+        with FakeJobApi(hold=0.5) as api, worker(api, scratch, "saturation", setting,
+                                                 env) as (process, port):
+            # vLLM's first big batches are slower (its allocations): not measured.
+            run_jobs(api, [job_input() for _ in range(args.warmup)])
+            rounds = [run_jobs(api, [job_input() for _ in range(args.jobs)])
+                      for _ in range(args.rounds)]
+            rates = [tokens / figures["seconds"] for figures in rounds]
+            figures = {"tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
+                       "peak_in_flight": max(r["peak_in_flight"] for r in rounds)}
+            queue[setting] = figures
+            print(f"saturation: MAX_CONCURRENCY={setting}: {figures['tokens_per_s']:.0f} "
+                  f"tokens/s (rounds: {', '.join(f'{rate:.0f}' for rate in rates)}), "
+                  f"{figures['peak_in_flight']:.0f} jobs held at most", flush=True)
+            if setting == settings[-1]:
+                model = env["MODEL_NAME"]
+                for concurrency in args.fixed:
+                    straight[str(concurrency)] = statistics.median(
+                        tokens / asyncio.run(direct(f"http://127.0.0.1:{port}", model,
+                                                    args.jobs, concurrency))
+                        for _ in range(args.rounds))
+                    print(f"saturation: straight to vLLM at {concurrency}: "
+                          f"{straight[str(concurrency)]:.0f} tokens/s", flush=True)
+            if setting == "auto":
+                queue[setting]["log_lines"] = sum(
+                    1 for line in process.log().splitlines() if "worker.capacity:" in line)
+    best_fixed = max(queue[str(n)]["tokens_per_s"] for n in args.fixed)
+    best_direct = max(straight.values())
+    auto = queue["auto"]["tokens_per_s"]
+    print(f"\nsaturation ({args.jobs} jobs of {OUT_TOKENS} tokens; MAX_NUM_SEQS=256):")
+    print(f"  {'MAX_CONCURRENCY':>16} {'queue tok/s':>12} {'held at most':>13} "
+          f"{'straight tok/s':>15}")
+    for setting in settings:
+        print(f"  {setting:>16} {queue[setting]['tokens_per_s']:>12.0f} "
+              f"{queue[setting]['peak_in_flight']:>13.0f} "
+              f"{straight.get(setting, float('nan')):>15.0f}")
+    print(f"  auto / best fixed through the queue: {auto / best_fixed:.2f} "
+          f"(goal: at least {GOAL_AUTO_TO_BEST_FIXED})")
+    print(f"  auto / best straight to vLLM: {auto / best_direct:.2f}")
+    return {"queue": queue, "straight": straight, "auto_to_best_fixed": auto / best_fixed,
+            "auto_to_best_direct": auto / best_direct}
+
+
+def small_kv(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    # 4 MB of KV cache: 2,048 tokens of the tiny model, 4 requests of its 512.
+    env = worker_env(scratch, KV_CACHE_MEMORY_BYTES="4M")
+    out: dict[str, Any] = {}
+    for setting in ("auto", "30"):
+        with FakeJobApi(hold=0.5) as api, worker(api, scratch, "small-kv", setting,
+                                                 env) as (_, port):
+            sampler = Sampler(f"http://127.0.0.1:{port}", api)
+            with sampler.running():
+                figures = run_jobs(api, [{"prompt": "Hello", "sampling_params": {
+                    "max_tokens": 400, "ignore_eos": True}} for _ in range(args.small_jobs)])
+            busy = [s for s in sampler.samples if s.queued > 0]
+            waiting = [s.load.waiting for s in busy]
+            preempted = (sampler.samples[-1].load.preemptions -
+                         sampler.samples[0].load.preemptions) if sampler.samples else 0.0
+            figures.update({
+                "samples": len(busy),
+                "waiting_p50": percentile(waiting, 50) if waiting else 0.0,
+                "waiting_p90": percentile(waiting, 90) if waiting else 0.0,
+                "waiting_max": max(waiting, default=0.0),
+                "running_p50": statistics.median([s.load.running for s in busy] or [0]),
+                "preemptions": preempted,
+            })
+            out[setting] = figures
+            print(f"small-kv: MAX_CONCURRENCY={setting}: {figures}", flush=True)
+    print(f"\nsmall KV cache (about 4 requests of 512 tokens; {args.small_jobs} jobs of 400 "
+          "tokens), while jobs remain in the platform's queue:")
+    print(f"  {'MAX_CONCURRENCY':>16} {'waiting p50':>12} {'waiting p90':>12} {'max':>5} "
+          f"{'preemptions':>12} {'held at most':>13} {'seconds':>8}")
+    for setting, figures in out.items():
+        print(f"  {setting:>16} {figures['waiting_p50']:>12.0f} {figures['waiting_p90']:>12.0f} "
+              f"{figures['waiting_max']:>5.0f} {figures['preemptions']:>12.0f} "
+              f"{figures['peak_in_flight']:>13.0f} {figures['seconds']:>8.1f}")
+    print(f"  goal (auto): waiting at most {GOAL_WAITING_P90:.0f} at p90, no preemption")
+    return out
+
+
+def fleet(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    figures_file = scratch / "fleet.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fleet.py"),
+                           "--json", str(figures_file)], check=False)
+    if done.returncode != 0:
+        raise SystemExit(done.returncode)
+    result: dict[str, Any] = json.loads(figures_file.read_text())
+    return result
+
+
+async def burst(url: str, model: str, requests: int, max_tokens: int) -> list[float]:
+    """``requests`` completions sent at once; each one's seconds to its whole answer."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one() -> float:
+            started = time.monotonic()
+            async with session.post(url + "/v1/completions", json={
+                    "model": model, "prompt": "Hello", "max_tokens": max_tokens}) as response:
+                await response.read()
+                response.raise_for_status()
+            return time.monotonic() - started
+
+        return list(await asyncio.gather(*(one() for _ in range(requests))))
+
+
+def lb(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """The load balancer has no take loop: a burst far over vLLM's running batch, straight to
+    the stand-in vLLM (tests/capacity_vllm.py: 8 sequences, steps of 20 ms) and through the
+    worker's relay, and what the relay held meanwhile."""
+    from tests import capacity_vllm
+    from tests.fake_vllm import fake_vllm_env
+    from tests.lb_worker import start_lb_worker
+    from tests.proc_stats import cpu_seconds, status_kb
+
+    vllm_port = free_port()
+    env = {**base_env(), **fake_vllm_env(scratch / "lb", "m", executable=capacity_vllm
+                                         .write_wrapper(scratch / "lb" / "bin")),
+           "MAX_NUM_SEQS": "8", "MAX_MODEL_LEN": "512", "WORKER_LOG_LEVEL": "INFO",
+           "VLLM_PORT": str(vllm_port)}
+    worker = start_lb_worker(env, scratch / "lb.log")
+    try:
+        worker.wait_for_status(200, timeout=120)
+        vllm_url = f"http://127.0.0.1:{vllm_port}"
+        out: dict[str, Any] = {}
+        for name, url in (("straight", vllm_url), ("relay", worker.url)):
+            cpu = cpu_seconds(worker.worker.pid)
+            seconds = asyncio.run(burst(url, "m", args.lb_requests, 32))
+            out[name] = {"p50_s": percentile(seconds, 50), "p90_s": percentile(seconds, 90),
+                         "max_s": max(seconds),
+                         "relay_cpu_s": cpu_seconds(worker.worker.pid) - cpu}
+        out["relay_rss_peak_kb"] = status_kb(worker.worker.pid, "VmHWM")
+    finally:
+        worker.stop()
+    print(f"\nload balancer ({args.lb_requests} requests at once of 32 tokens, on a stand-in "
+          "vLLM that runs 8 at a time):")
+    for name in ("straight", "relay"):
+        figures = out[name]
+        print(f"  {name:>9}: each answered after {figures['p50_s']:.2f} s at p50, "
+              f"{figures['p90_s']:.2f} s at p90, {figures['max_s']:.2f} s at most; the relay's "
+              f"CPU {figures['relay_cpu_s']:.2f} s")
+    print(f"  the relay's peak memory: {out['relay_rss_peak_kb'] / 1024:.0f} MiB")
+    return out
+
+
+PARTS = {"saturation": saturation, "small-kv": small_kv, "fleet": fleet, "lb": lb}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--jobs", type=int, default=400, help="saturation: jobs per setting")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="saturation: measured rounds per setting (their median)")
+    parser.add_argument("--warmup", type=int, default=256,
+                        help="saturation: jobs run before the measured ones, per setting")
+    parser.add_argument("--fixed", type=int, nargs="+", default=[30, 64, 128, 256])
+    parser.add_argument("--small-jobs", type=int, default=48, help="small-kv: jobs per setting")
+    parser.add_argument("--lb-requests", type=int, default=512,
+                        help="lb: requests sent at once")
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
+        scratch = Path(tmp)
+        for part in args.part:
+            results[part] = PARTS[part](args, scratch)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
