@@ -148,7 +148,7 @@ def run_jobs(api: FakeJobApi, inputs: list[dict[str, Any]], timeout: float = 180
     last = max(r.done_at or 0.0 for r in records)
     waits = [(r.taken_at or 0.0) - r.submitted_at for r in records]
     return {"seconds": last - first, "jobs": len(records), "peak_in_flight": peak_in_flight(
-        records), "wait_p50_s": percentile(waits, 50), "wait_p90_s": percentile(waits, 90)}
+        records), "wait_p50_s": percentile(waits, 0.5), "wait_p90_s": percentile(waits, 0.9)}
 
 
 async def direct(url: str, model: str, jobs: int, concurrency: int) -> float:
@@ -237,8 +237,8 @@ def small_kv(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                          sampler.samples[0].load.preemptions) if sampler.samples else 0.0
             figures.update({
                 "samples": len(busy),
-                "waiting_p50": percentile(waiting, 50) if waiting else 0.0,
-                "waiting_p90": percentile(waiting, 90) if waiting else 0.0,
+                "waiting_p50": percentile(waiting, 0.5) if waiting else 0.0,
+                "waiting_p90": percentile(waiting, 0.9) if waiting else 0.0,
                 "waiting_max": max(waiting, default=0.0),
                 "running_p50": statistics.median([s.load.running for s in busy] or [0]),
                 "preemptions": preempted,
@@ -304,7 +304,7 @@ def lb(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         for name, url in (("straight", vllm_url), ("relay", worker.url)):
             cpu = cpu_seconds(worker.worker.pid)
             seconds = asyncio.run(burst(url, "m", args.lb_requests, 32))
-            out[name] = {"p50_s": percentile(seconds, 50), "p90_s": percentile(seconds, 90),
+            out[name] = {"p50_s": percentile(seconds, 0.5), "p90_s": percentile(seconds, 0.9),
                          "max_s": max(seconds),
                          "relay_cpu_s": cpu_seconds(worker.worker.pid) - cpu}
         out["relay_rss_peak_kb"] = status_kb(worker.worker.pid, "VmHWM")

@@ -8,9 +8,11 @@ happens. The real vLLM's side is tests/test_e2e_batch.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -21,7 +23,7 @@ import pytest
 from tests.fake_s3 import FakeS3, fake_s3
 from worker.config.settings import Settings
 from worker.errors import InvalidRequest
-from worker.jobs import batch_files
+from worker.jobs import batch, batch_files
 from worker.jobs import batch_format as fmt
 from worker.jobs.batch import BatchOptions
 from worker.jobs.batch_files import BatchFiles
@@ -116,6 +118,20 @@ def test_lines_as_objects_or_text_with_post_by_default_and_ids_once() -> None:
 
 def test_a_files_blank_lines_are_skipped_and_numbers_kept() -> None:
     assert fmt.file_items('{"a": 1}\n\n  \n{"b": 2}\n') == [(1, '{"a": 1}'), (4, '{"b": 2}')]
+
+
+def test_a_line_ends_at_a_newline_alone_in_and_out() -> None:
+    """JSON holds U+2028, U+2029, \\x85 and the other characters str.splitlines() also cuts
+    at raw inside a string: a line holding them is one line, read and written."""
+    odd = "a\u2028b\u2029c\x85d\x0be\x0cf\x1cg\x1dh\x1ei"
+    text = json.dumps(line(odd, odd), ensure_ascii=False) + "\r\n" + json.dumps(line("z"))
+    items = fmt.file_items(text)
+    assert [number for number, _ in items] == [1, 2]
+    [first, _] = fmt.parse_lines(items, POLICY).lines
+    assert first.custom_id == odd and isinstance(first.request.body, dict)
+    assert first.request.body["prompt"] == odd
+    written = b"".join(fmt.jsonl([{"custom_id": odd}, {"custom_id": "z"}])).decode()
+    assert [json.loads(str(x))["custom_id"] for _, x in fmt.file_items(written)] == [odd, "z"]
 
 
 def test_result_lines_are_openais_batch_output() -> None:
@@ -405,6 +421,27 @@ class Heard(logging.Handler):
             self.event.set()
 
 
+async def test_the_loop_turns_while_a_big_batch_is_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An order: the parse of a big batch waits for the event loop to turn (a task of the loop
+    lets it go on); a parse on the loop would wait for ever, and fails after its bound."""
+    loop_turned = threading.Event()
+    parse = fmt.parse_lines
+
+    def parse_after_the_loop_turned(*args: Any) -> fmt.ParsedLines:
+        if not loop_turned.wait(60):
+            raise AssertionError("the event loop did not turn while the batch was parsed")
+        return parse(*args)
+
+    monkeypatch.setattr(fmt, "parse_lines", parse_after_the_loop_turned)
+    monkeypatch.setattr(batch, "BIG_LINES", 10)  # a big batch, made small
+    turn = asyncio.get_running_loop().call_soon(loop_turned.set)
+    lines = [line(str(n)) for n in range(batch.BIG_LINES + 1)]
+    pieces = await run(proxy_for(HeldVllm(), concurrency=64), {"batch": lines})
+    turn.cancel()
+    assert len(results_of(pieces[:-1] if "error" in pieces[-1] else pieces)) == len(lines)
+
+
 async def test_a_progress_line_while_the_batch_runs(caplog: pytest.LogCaptureFixture) -> None:
     vllm = HeldVllm(hold=True)
     proxy = proxy_for(vllm, concurrency=1, progress=0.01)
@@ -472,6 +509,53 @@ async def test_a_file_that_cannot_be_read_or_written_fails_the_job_before_any_li
     assert vllm.arrived == []
 
 
+async def until_held(vllm: HeldVllm, count: int) -> None:
+    """Wait (bounded generously) until ``count`` requests are held: the files' store answers
+    in a thread of its own, so this takes time, not only turns of the loop."""
+    for _ in range(6000):
+        if vllm.held == count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {count} lines held (held: {vllm.held})")
+
+
+LAST_NIGHT = b'{"custom_id": "last night", "response": {"status_code": 200}}\n'
+
+
+def keys_of(store: FakeS3, prefix: str) -> list[str]:
+    listed = store.client().list_objects_v2(Bucket="batches", Prefix=prefix).get("Contents", [])
+    return sorted(item["Key"] for item in listed)
+
+
+async def test_a_cancelled_batch_leaves_what_was_at_its_output_url(store: FakeS3) -> None:
+    """The check writes nothing where the results go: a batch cancelled with lines in flight
+    leaves last night's results as they were, and no object of the check's behind."""
+    store.client().put_object(Bucket="batches", Key="cancelled/out.jsonl", Body=LAST_NIGHT)
+    vllm = HeldVllm(hold=True)
+    proxy = proxy_for(vllm, concurrency=2, files=s3_files(store))
+    job = asyncio.create_task(run(proxy, {"batch": [line(str(n)) for n in range(4)],
+                                          "output_url": "s3://batches/cancelled/out.jsonl"}))
+    await until_held(vllm, 2)  # after the check, which the store answers in a thread
+    job.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await job
+    body = store.client().get_object(Bucket="batches", Key="cancelled/out.jsonl")["Body"].read()
+    assert body == LAST_NIGHT
+    assert keys_of(store, "cancelled/") == ["cancelled/out.jsonl"]
+    await proxy.aclose()
+
+
+async def test_a_failed_batch_leaves_what_was_at_its_output_url(store: FakeS3) -> None:
+    store.client().put_object(Bucket="batches", Key="failed/out.jsonl", Body=LAST_NIGHT)
+    vllm = HeldVllm()
+    error = error_of(await run(proxy_for(vllm, files=s3_files(store)), {
+        "batch": [{"custom_id": "a", "url": "/v1/nothing"}],  # no line can be sent
+        "output_url": "s3://batches/failed/out.jsonl"}))
+    assert error["type"] == "invalid_request" and vllm.arrived == []
+    body = store.client().get_object(Bucket="batches", Key="failed/out.jsonl")["Body"].read()
+    assert body == LAST_NIGHT and keys_of(store, "failed/") == ["failed/out.jsonl"], error
+
+
 def https(answer: Callable[[httpx.Request], httpx.Response]) -> BatchFiles:
     return BatchFiles(transport=httpx.MockTransport(answer))
 
@@ -489,9 +573,9 @@ async def test_a_batch_over_https() -> None:
         "batch_url": "https://files.example/in.jsonl?sig=SECRET",
         "output_url": "https://files.example/out.jsonl?sig=SECRET2"})
     assert summary["done"] == 1 and summary["output_url"] == "https://files.example/out.jsonl?..."
-    assert [(r.method, r.url.path) for r in seen] == [
-        ("GET", "/in.jsonl"), ("PUT", "/out.jsonl"), ("PUT", "/out.jsonl")]
-    assert seen[1].content == b"" and json.loads(seen[2].content)["custom_id"] == "a"
+    # A presigned URL can only be written: once, with the results.
+    assert [(r.method, r.url.path) for r in seen] == [("GET", "/in.jsonl"), ("PUT", "/out.jsonl")]
+    assert json.loads(seen[1].content)["custom_id"] == "a"
 
 
 @pytest.mark.parametrize(("status", "says"), [
@@ -525,30 +609,30 @@ async def test_a_write_that_fails_at_the_end_is_tried_again(
 
     def answer(request: httpx.Request) -> httpx.Response:
         puts.append(request.content)
-        return httpx.Response(503 if len(puts) == 2 else 200)
+        return httpx.Response(503 if len(puts) == 1 else 200)
 
     [summary] = await run(proxy_for(HeldVllm(), files=https(answer)), {
         "batch": [line("a")], "output_url": "https://files.example/out.jsonl"})
-    assert summary["done"] == 1 and len(puts) == 3 and puts[1] == puts[2] != b""
+    assert summary["done"] == 1 and len(puts) == 2 and puts[0] == puts[1] != b""
 
 
 async def test_results_that_cannot_be_written_at_the_end_go_into_the_output(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The check's empty write passed; the results' write is refused: nothing is lost."""
+    """The results' write is refused: nothing is lost."""
     monkeypatch.setattr(fmt, "FALLBACK_PIECE", 2)
     puts: list[bytes] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
         puts.append(request.content)
-        return httpx.Response(200 if len(puts) == 1 else 403)
+        return httpx.Response(403)
 
     pieces = await run(proxy_for(HeldVllm(), files=https(answer)), {
         "batch": [line("a"), line("b"), line("c")],
         "output_url": "https://files.example/out.jsonl?sig=SECRET"})
     *parts, summary = pieces
     assert sorted(r["custom_id"] for r in results_of(parts)) == ["a", "b", "c"]
-    assert [len(part["results"]) for part in parts] == [2, 1] and len(puts) == 2
+    assert [len(part["results"]) for part in parts] == [2, 1] and len(puts) == 1
     assert summary["done"] == 3 and "answered 403" in summary["output_error"]
     assert "SECRET" not in json.dumps(pieces)
 

@@ -33,7 +33,7 @@ from worker.model.weights import WeightBytes
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.diagnosis import Diagnosis
-from worker.start.fit import check_weights, context_line, fitted_context
+from worker.start.fit import check_weights, context_line, fitted_context, human_readable_int
 from worker.start.gpus import parse_memory_total, query_gpu_memory
 from worker.start.policy import Exited, Fail, Relaunch, Start, decide
 from worker.start.startup import Startup
@@ -167,10 +167,19 @@ def test_the_stand_in_answers_as_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> 
     ({"TENSOR_PARALLEL_SIZE": "2"}, 140, (H100,), None, ["the model spans 2 GPU(s)"]),
     ({"QUANTIZATION": "fp8"}, 140, (H100,), True, ["counted as 70.0 GiB for QUANTIZATION=fp8"]),
     ({"GPU_MEMORY_UTILIZATION": "0.5"}, 40, (H100,), False, ["GPU_MEMORY_UTILIZATION 0.5"]),
-    ({"KV_CACHE_MEMORY_BYTES": "1G"}, 75, (H100,), True, ["KV_CACHE_MEMORY_BYTES sizes"]),
+    ({"KV_CACHE_MEMORY_BYTES": "1G"}, 75, (H100,), True,
+     ["78.6 GiB (1 GPU of 81,559 MiB less KV_CACHE_MEMORY_BYTES 1.0 GiB for the KV cache on "
+      "each)", "the KV cache asked for fits beside them"]),
+    ({"KV_CACHE_MEMORY_BYTES": "10G"}, 75, (H100,), False,
+     ["less KV_CACHE_MEMORY_BYTES 10.0 GiB", "Lower KV_CACHE_MEMORY_BYTES (10.0 GiB on each "
+      "GPU), or unset it", "need 85.0 GiB on each of 1"]),
+    # A card of 1 MiB, 64 MiB of KV cache and 835 KiB of weights (a new user's try): no.
+    ({"KV_CACHE_MEMORY_BYTES": "64M"}, 835 / (1 << 20), (1,), False,
+     ["less KV_CACHE_MEMORY_BYTES 64.0 MiB"]),
     ({}, 60, (24564,), False, ["24,564 MiB", "TENSOR_PARALLEL_SIZE=4"]),
 ], ids=["8b-on-h100", "70b-on-h100", "70b-on-two", "tp-without-cards", "fp8-at-load",
-        "low-utilization", "kv-cache-bytes", "32b-on-24gb"])
+        "low-utilization", "kv-cache-bytes", "kv-cache-bytes-too-many", "kv-cache-on-1-mib",
+        "32b-on-24gb"])
 def test_the_weights_against_the_gpus(
     env: dict[str, str], weights_gib: float, gpus: tuple[int, ...], fits: bool | None,
     needles: list[str],
@@ -180,6 +189,14 @@ def test_the_weights_against_the_gpus(
     text = check.line + check.fix
     for needle in needles:
         assert needle in text, text
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("64M", 64 << 20), ("64m", 64_000_000), ("1G", 1 << 30), ("1.5g", 1_500_000_000),
+    ("25.6k", 25_600), ("1.5G", None), ("1024", 1024), ("", None), ("lots", None),
+])
+def test_a_size_is_read_as_vllm_reads_it(text: str, size: int | None) -> None:
+    assert human_readable_int(text) == size
 
 
 @pytest.mark.parametrize(("paths", "answer"), [

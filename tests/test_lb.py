@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ import openai
 import pytest
 
 from tests.fake_openai import expected_stream
-from tests.fake_vllm import fake_vllm_env
+from tests.fake_vllm import fake_vllm_env, free_port
 from tests.lb_worker import LbWorker, start_lb_worker
+from tests.worker_process import wait_until
 
 StartLb = Callable[..., LbWorker]
 
@@ -170,23 +170,33 @@ def test_vllm_dying_mid_stream_ends_it_with_an_error_and_the_worker_exits_1(
 
 
 def test_sigterm_lets_streams_finish_then_stops_vllm(start_lb: StartLb) -> None:
-    lb = start_lb()
+    """An order, not a race: three streams held by the stand-in (its /metrics counts them),
+    then the SIGTERM, then the streams let go: all three end whole, then the worker exits."""
+    vllm_port = free_port()
+    lb = start_lb({"VLLM_PORT": str(vllm_port)})
     lb.wait_for_status(200, timeout=60)
     results: list[bytes] = []
 
     def stream() -> None:
-        with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=30, json={
-                "prompt": "x", "stream": True, "fake": {"events": 30, "delay": 0.05}}) as r:
+        with httpx.stream("POST", f"{lb.url}/v1/completions", timeout=120, json={
+                "prompt": "x", "stream": True, "fake": {"events": 30, "hold_after": 2}}) as r:
             results.append(b"".join(r.iter_raw()))
+
+    def held() -> int:
+        text = httpx.get(f"http://127.0.0.1:{vllm_port}/metrics", timeout=10).text
+        return int(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("fake_held_streams")))
 
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)
+    wait_until(lambda: held() == 3, "the three streams held by the stand-in", timeout=120)
     lb.worker.signal(signal.SIGTERM)
+    lb.worker.wait_for_log("SIGTERM: no new requests", timeout=60)
+    httpx.post(f"http://127.0.0.1:{vllm_port}/fake/release", json={}, timeout=60)
     for thread in threads:
-        thread.join(30)
-    assert lb.worker.wait(30) == 0
+        thread.join(120)
+    assert lb.worker.wait(60) == 0
     assert results == [expected_stream(30, "none")] * 3
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{lb.url}/v1/models", timeout=2)

@@ -28,6 +28,7 @@ from worker.config.versions import (
     ("v0.33.0rc1", (0, 33, 0)),
     ("0.27", (0, 27, 0)),
     ("0.11.1.dev42+g1234", (0, 11, 1)),
+    ("0.34.0.dev12+gabc123", (0, 34, 0)),
     ("unknown", None),
     ("", None),
 ])
@@ -46,6 +47,14 @@ def test_version_key(version: str, key: tuple[int, ...] | None) -> None:
     ("0.34.0", False),
     ("1.0.0", False),
     ("0.8.5", False),
+    # As PEP 440 orders them: a pre-release or dev build of the oldest comes before it.
+    ("0.27.1rc1", False),
+    ("0.27.1.dev3+g1a2b3c", False),
+    ("0.27.1.post1", True),
+    ("0.28.0rc2", True),
+    ("0.33.1.dev5+gabc123", True),
+    ("0.34.0.dev12+gabc123", False),  # a nightly past the range
+    ("0.34.0rc1", False),
     ("unknown", None),
 ])
 def test_the_declared_range(version: str, inside: bool | None) -> None:
@@ -80,6 +89,10 @@ def test_a_vllm_outside_the_range_starts_with_one_warning_that_names_it() -> Non
     ("0.27.0", "0.26.1"),   # before the minor's first packaged patch: the closest older
     ("0.40.0", "0.33.0"),   # past the newest: the newest
     ("0.8.5", "0.26.1"),    # before the oldest: the oldest
+    ("0.31.0rc1", "0.31.0"),  # a pre-release: its release's catalog
+    ("0.31.1.dev4+gabc123", "0.31.0"),
+    ("0.34.0.dev12+gabc123", "0.33.0"),  # a nightly past the newest: the newest
+    ("0.31.0+cpu", "0.31.0"),
     ("garbage", None),
     (None, None),
 ])

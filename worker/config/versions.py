@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from worker.config.flags import PACKAGED_DIR, env_name
 
 #: The oldest vLLM the worker is tested with: the reference worker's documented version, run
@@ -39,25 +41,36 @@ GUIDE = "docs/deploy.md, 'Choosing a vLLM version'"
 _CATALOG_NAME = re.compile(r"vllm-(?P<version>\d[^/]*)\.json")
 
 
+def parse_version(version: str) -> Version | None:
+    """``version`` as vLLM writes it, read as Python's packaging reads it (PEP 440: ``0.32.0``,
+    ``0.33.0rc1``, ``0.34.0.dev12+gabc123``, ``0.32.0+cpu``; a leading ``v`` as the image tags
+    have it); None when it is not one."""
+    try:
+        return Version(version.strip().removeprefix("v"))
+    except InvalidVersion:
+        return None
+
+
 def version_key(version: str) -> tuple[int, ...] | None:
     """The release numbers of ``version`` (``0.32.0+cpu`` → (0, 32, 0); ``v0.33.0rc1`` →
-    (0, 33, 0)); None when it does not start with one."""
-    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
-    if match is None:
+    (0, 33, 0)), three at least; None when it is not a version."""
+    parsed = parse_version(version)
+    if parsed is None:
         return None
-    numbers = tuple(int(part) for part in match.group(1).split("."))
+    numbers = parsed.release
     return numbers + (0,) * (3 - len(numbers)) if len(numbers) < 3 else numbers
 
 
 def in_range(version: str) -> bool | None:
-    """Whether ``version`` is in the declared range; None when it cannot be read."""
-    key = version_key(version)
-    if key is None:
+    """Whether ``version`` is in the declared range; None when it cannot be read. Ordered as
+    PEP 440 orders them: a pre-release or dev build of :data:`OLDEST` comes before it (out),
+    one of a minor release up to :data:`NEWEST_MINOR` is in; a local part (``+cpu``) counts
+    as its release."""
+    parsed = parse_version(version)
+    if parsed is None:
         return None
-    oldest = version_key(OLDEST)
-    newest = version_key(NEWEST_MINOR)
-    assert oldest is not None and newest is not None
-    return oldest <= key and key[:2] <= newest[:2]
+    newest = Version(NEWEST_MINOR).release[:2]
+    return parsed >= Version(OLDEST) and parsed.release[:2] <= newest
 
 
 def range_warning(version: str) -> str | None:
@@ -72,8 +85,9 @@ def range_warning(version: str) -> str | None:
 
 def nearest_version(version: str | None, available: Iterable[str]) -> str | None:
     """Of ``available`` (packaged catalogs' versions), the one to stand in for ``version``:
-    the newest of its minor release not newer than it, else the closest release by number;
-    None when nothing is available or ``version`` cannot be read."""
+    the newest of its minor release whose release is not newer than its own (a pre-release or
+    dev build of 0.31.0 gets 0.31.0's), else the closest release by number; None when nothing
+    is available or ``version`` cannot be read."""
     key = version_key(version) if version else None
     keyed = sorted((k, v) for v in available if (k := version_key(v)) is not None)
     if key is None or not keyed:

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from worker.errors import InvalidRequest, WorkerError
 from worker.jobs import batch_format as fmt
@@ -46,6 +46,7 @@ from worker.jobs.relay import PendingBatches
 from worker.jobs.routing import BatchPolicy, VllmRequest
 
 logger = logging.getLogger("worker.batch")
+T = TypeVar("T")
 
 LineSender = Callable[[VllmRequest], Awaitable[fmt.LineAnswer]]
 """Sends one line's request to vLLM: its answer, or a WorkerError (timeout, vLLM gone)."""
@@ -59,6 +60,17 @@ class BatchOptions:
     concurrency: int = fmt.DEFAULT_CONCURRENCY
     files: BatchFiles | None = None
     progress_interval: float = 10.0
+
+
+#: A batch past these many lines, or a file past these many characters, is parsed and written
+#: in a thread; a small one on the loop (a thread's hand-off costs more than its parse).
+BIG_LINES = 1000
+BIG_TEXT = 1 << 20
+
+
+async def _off_loop(big: bool, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)``, in a thread when the work is ``big``."""
+    return await asyncio.to_thread(function, *args) if big else function(*args)
 
 
 def _release(pacer: Pacer, tokens: int, _task: object) -> None:
@@ -93,11 +105,14 @@ class BatchRunner:
                   defaults: BatchPolicy) -> AsyncIterator[Any]:
         """The job's pieces (or its summary); InvalidRequest when the batch is unusable."""
         spec = fmt.parse_batch_input(job_input, defaults)
+        # Up to 200 MiB of lines: a big batch is read, parsed and (below) written in a thread,
+        # so that the event loop keeps serving the other jobs (and their streams) meanwhile.
         if spec.source is not None:
-            items = fmt.file_items(await self._files.read(spec.source))
+            text = await self._files.read(spec.source)
+            items = await _off_loop(len(text) > BIG_TEXT, fmt.file_items, text)
         else:
             items = fmt.given_items(spec.lines or ())
-        parsed = fmt.parse_lines(items, spec.policy)
+        parsed = await _off_loop(len(items) > BIG_LINES, fmt.parse_lines, items, spec.policy)
         if not parsed.lines:
             raise fmt.unusable(parsed.bad)
         if spec.output is not None:
@@ -114,7 +129,8 @@ class BatchRunner:
         async for results in run.results(spec.policy):
             kept.extend(results)
         try:
-            await self._files.write(spec.output, b"".join(fmt.jsonl(kept)))
+            data = await _off_loop(len(kept) > BIG_LINES, lambda: b"".join(fmt.jsonl(kept)))
+            await self._files.write(spec.output, data)
         except InvalidRequest as exc:
             # The work is in the results: they go into the job's output rather than nowhere.
             logger.warning("batch %s: %s The results go into the job's output instead.",

@@ -14,7 +14,10 @@ server said, so that the job can say why its batch is unusable.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import uuid
 from collections.abc import Callable
 
 import httpx
@@ -26,6 +29,8 @@ from worker.jobs.batch_format import MAX_FILE_BYTES, FileUrl, shown
 S3Signer = Callable[[str, str, bytes], "tuple[str, dict[str, str]] | str"]
 """(method, ``s3://bucket/key``, body) → the URL and signed headers of that request, or what
 the environment lacks to sign it."""
+
+logger = logging.getLogger("worker.batch")
 
 _S3_CODE = re.compile(r"<Code>([^<]{1,80})</Code>")
 #: Tries of a write of the results (the batch's work is in them): at once, then 1 and 2 s later.
@@ -103,24 +108,40 @@ class BatchFiles:
                 await self._put(target, data)
 
     async def check(self, target: FileUrl) -> None:
-        """Whether ``target`` takes a write, before any line runs: an empty file written
-        there (the results replace it), or InvalidRequest saying why not."""
+        """Whether ``target`` takes a write, before any line runs, leaving what is there as it
+        is: an ``s3://`` target's bucket takes an empty object beside it (deleted at once); an
+        ``https://`` URL (a presigned one can only be written) is written once, with the
+        results. InvalidRequest saying why not."""
+        if target.scheme != "s3":
+            return
+        probe = FileUrl(f"{target.url}.check-{uuid.uuid4().hex[:12]}", target.field)
         try:
-            await self._put(target, b"")
+            await self._put(probe, b"", shown_as=target)
         except _Transient as exc:
             raise InvalidRequest(str(exc), param=target.field) from None
+        try:
+            request = self._request("DELETE", probe, b"")
+            async with self._client() as client:
+                await client.send(request)
+        except (httpx.HTTPError, InvalidRequest) as exc:  # an empty object left: said, no harm
+            logger.warning("batch: the empty object written to check %s was not deleted (%s)",
+                           shown(target.url), type(exc).__name__)
 
-    async def _put(self, target: FileUrl, data: bytes) -> None:
-        request = self._request("PUT", target, data)
+    async def _put(self, target: FileUrl, data: bytes, *, shown_as: FileUrl | None = None
+                   ) -> None:
+        # Signing hashes the whole body: in a thread for a big one, off the event loop.
+        request = await asyncio.to_thread(self._request, "PUT", target, data) if len(data) > (
+            1 << 20) else self._request("PUT", target, data)
+        named = shown_as or target  # what a failure names: the user's URL
         try:
             async with self._client() as client:
                 response = await client.send(request)
         except httpx.HTTPError as exc:
-            raise _Transient(self._unreachable(target, exc).message) from None
+            raise _Transient(self._unreachable(named, exc).message) from None
         if response.status_code >= 500:
-            raise _Transient(self._refused(target, "written", response).message)
+            raise _Transient(self._refused(named, "written", response).message)
         if not 200 <= response.status_code < 300:
-            raise self._refused(target, "written", response)
+            raise self._refused(named, "written", response)
 
     @staticmethod
     def _refused(where: FileUrl, doing: str, response: httpx.Response) -> InvalidRequest:

@@ -141,7 +141,11 @@ def parse_batch_input(job_input: Mapping[str, Any], defaults: BatchPolicy) -> Ba
 
 def file_items(text: str) -> list[tuple[int, object]]:
     """A JSONL file's lines that are not blank, with their line numbers (from 1)."""
-    return [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # Lines end at "\n" (or "\r\n") alone: str.splitlines() also cuts at U+2028, U+2029,
+    # \x85, \x0b, \x0c and \x1c-\x1e, which JSON holds raw inside a string (and jsonl()
+    # writes raw).
+    return [(number, line.removesuffix("\r"))
+            for number, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
 def given_items(lines: Sequence[object]) -> list[tuple[int, object]]:

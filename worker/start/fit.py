@@ -68,6 +68,24 @@ def _number(command: VllmCommand, flag: str, default: float) -> float:
         return default
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int | None:
+    """A size as vLLM reads it (``human_readable_int`` in vllm/utils/argparse_utils.py):
+    ``64m`` is 64,000,000 and ``64M`` 64 MiB; a decimal with a decimal suffix only; None
+    for what vLLM would refuse (or nothing)."""
+    value = value.strip()
+    if match := _SIZE.fullmatch(value):
+        number, suffix = match.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        return int(number) * _BINARY[suffix] if number.isdigit() else None
+    return int(value) if value.isdigit() else None
+
+
 def check_weights(
     weights: WeightBytes | str, gpus: Sequence[int] | str, command: VllmCommand
 ) -> WeightCheck:
@@ -83,14 +101,18 @@ def check_weights(
         return WeightCheck(None, f"weight check skipped: the model spans {cards} GPU(s) "
                                  f"({tp_setting} × PIPELINE_PARALLEL_SIZE), {len(gpus)} seen")
     used = sorted(gpus, reverse=True)[:cards]
-    if command.value("--kv-cache-memory-bytes"):
+    kv_bytes = human_readable_int(command.value("--kv-cache-memory-bytes") or "")
+    if kv_bytes is not None:
+        # vLLM then ignores GPU_MEMORY_UTILIZATION: each card holds its share of the weights
+        # beside the KV cache asked for (and its activations and CUDA graphs, not counted).
         kv_setting = _setting(command, "--kv-cache-memory-bytes", "KV_CACHE_MEMORY_BYTES")
-        share, of = 1.0, f"whole: {kv_setting} sizes the KV cache"
+        share, of = 1.0, f"less {kv_setting} {_gib(kv_bytes)} for the KV cache on each"
+        budget = max(0.0, sum(used) * MIB - cards * kv_bytes)
     else:
         share = _number(command, "--gpu-memory-utilization", DEFAULT_UTILIZATION)
         utilization = _setting(command, "--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION")
         of = f"× {utilization} {share:g}"
-    budget = sum(used) * MIB * share
+        budget = sum(used) * MIB * share
     quantization = command.value("--quantization")
     shrink = 1 if quantization is None else 2 if quantization in _EIGHT_BIT else 4
     needed = weights.total / shrink
@@ -101,15 +123,25 @@ def check_weights(
     if quantization is not None:
         counted += f", counted as {_gib(needed)} for QUANTIZATION={quantization}"
     if needed <= budget:
+        rest = "the KV cache asked for fits beside them" if kv_bytes is not None else \
+            "the rest holds the KV cache"
         return WeightCheck(True, f"weight check: the weights ({counted}) fit the GPU memory "
-                                 f"vLLM may use, {memory}; the rest holds the KV cache")
-    per_card = used[0] * MIB * share
+                                 f"vLLM may use, {memory}; {rest}")
+    per_card = budget / cards
     more = 2 ** math.ceil(math.log2(max(2, math.ceil(needed / per_card)))) if per_card else 0
     cause = (f"The model's weights do not fit the GPUs: {counted}, against {memory} of GPU "
              "memory for vLLM. The start stopped before downloading or loading them.")
     spread = _assign(command, "--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", str(more))
+    model = _setting(command, "--model", "MODEL_NAME")
+    if kv_bytes is not None:
+        kv_setting = _setting(command, "--kv-cache-memory-bytes", "KV_CACHE_MEMORY_BYTES")
+        fix = (f"Lower {kv_setting} ({_gib(kv_bytes)} on each GPU), or unset it for vLLM to "
+               "size the KV cache from GPU_MEMORY_UTILIZATION; or serve a quantized variant "
+               f"of the model in {model}; or a GPU with more memory (the weights and that KV "
+               f"cache need {_gib(needed / cards + kv_bytes)} on each of {cards}).")
+        return WeightCheck(False, f"weight check: {cause}", cause, fix)
     fix = ("Serve a quantized variant of the model (AWQ, GPTQ or FP8: a half to a quarter of "
-           f"the bytes) in {_setting(command, '--model', 'MODEL_NAME')}; or spread it over "
+           f"the bytes) in {model}; or spread it over "
            f"more GPUs: {spread} with {more} GPUs per worker on the endpoint; or a "
            f"GPU with more memory (the weights alone need {_gib(needed / share)} at "
            f"{share:g}).")

@@ -260,7 +260,9 @@ class Startup:
                     stop = HubDown(verdict.outage)
                 if stop is not None:
                     health.cancel()
-                    process.stop(grace=2.0)
+                    # Blocking (up to its grace): in a thread, for the load balancer's health
+                    # server shares this loop.
+                    await asyncio.to_thread(process.stop, grace=2.0)
                     return stop
             if health in done:
                 break
@@ -274,8 +276,9 @@ class Startup:
                 logger.info("context: %s",
                             context_line(fitted_context(process.tail()), launch.command))
             return Healthy()
-        process.stop()  # also ends engine children that would hold the pipe open
-        process.drain_output()
+        # Also ends engine children that would hold the pipe open; blocking, in a thread.
+        await asyncio.to_thread(process.stop)
+        await asyncio.to_thread(process.drain_output)
         tail, code = tuple(process.tail()), process.returncode  # masked as it was read
         if health.result() is Readiness.TIMED_OUT:
             return TimedOut(code, tail)
