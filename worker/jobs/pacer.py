@@ -120,14 +120,20 @@ class Pacer:
         self._sent += 1
         if (job := self._jobs.get(job_id)) is None:
             return
-        job.tokens = self.tokens(route, body)
+        job.tokens = request_tokens(route, body, self.capacity.context)
         self._sizes.append(job.tokens)
         job.sent = True
         self._changed()
 
     def tokens(self, route: str, body: object) -> int:
-        """The KV tokens a request can grow to."""
+        """The KV tokens a request can grow to, in whole blocks of vLLM's cache."""
         return request_tokens(route, body, self.capacity.context, self.capacity.block_size)
+
+    def _blocks(self, tokens: int) -> int:
+        """``tokens`` in whole blocks of the cache (its block size may be read after the
+        job's size was: rounded when counted, not when read)."""
+        block = self.capacity.block_size
+        return -(-tokens // block) * block
 
     def batch(self, job_id: object) -> None:
         """The job is a batch job: its lines are counted, not itself."""
@@ -149,10 +155,11 @@ class Pacer:
             elif job.tokens is None:
                 jobs, unsized = jobs + 1, unsized + 1
             else:
-                jobs, tokens = jobs + 1, tokens + job.tokens
+                jobs, tokens = jobs + 1, tokens + self._blocks(job.tokens)
         if lines:
             jobs, tokens = jobs + self._lines, tokens + self._line_tokens
-        typical = round(sum(self._sizes) / len(self._sizes)) if self._sizes else None
+        typical = self._blocks(round(sum(self._sizes) / len(self._sizes))) if self._sizes \
+            else None
         return Held(jobs, tokens, unsized, typical)
 
     # -- the decisions -----------------------------------------------------------------------
