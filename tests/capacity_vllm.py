@@ -72,7 +72,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shlex
 import signal
 import sys
 import time
@@ -600,19 +599,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def write_wrapper(directory: Path, python: str = sys.executable) -> Path:
-    """Write an executable ``vllm`` script in ``directory`` that runs this stand-in; its path.
+    """Write an executable ``vllm`` script in ``directory`` that runs this stand-in; its path
+    (``python`` must have aiohttp)."""
+    from tests import fake_vllm
 
-    ``python`` must have aiohttp (the test's interpreter does; the system one may not).
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    wrapper = directory / "vllm"
-    script = Path(__file__).resolve()
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        f"exec {shlex.quote(python)} {shlex.quote(str(script))} \"$@\"\n"
-    )
-    wrapper.chmod(0o755)
-    return wrapper
+    return fake_vllm.write_wrapper(directory, python, script=Path(__file__))
 
 
 if __name__ == "__main__":

@@ -104,14 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def write_wrapper(directory: Path, python: str = sys.executable) -> Path:
-    """Write an executable ``vllm`` script in ``directory`` that runs this fake; its path.
+def write_wrapper(directory: Path, python: str = sys.executable, *,
+                  script: Path = Path(__file__)) -> Path:
+    """Write an executable ``vllm`` script in ``directory`` that runs this fake (or another
+    stand-in's ``script``); its path.
 
     ``python`` must have aiohttp (the test's interpreter does; the system one may not).
     """
     directory.mkdir(parents=True, exist_ok=True)
     wrapper = directory / "vllm"
-    script = Path(__file__).resolve()
+    script = script.resolve()
     wrapper.write_text(
         "#!/bin/sh\n"
         f"exec {shlex.quote(python)} {shlex.quote(str(script))} \"$@\"\n"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from worker.jobs.jobloop import Job, JobLoop
+from worker.jobs.pacer import Pacer
 
 #: Turns of the event loop from one event to the next that an event-driven step may take
 #: (a task scheduled, then run); a sleep of 0.1 s on this machine is thousands.
@@ -91,8 +92,10 @@ async def until(check: Callable[[], bool], what: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running(concurrency: int, batches: list[list[str]]) -> AsyncIterator[
+async def running(concurrency: int | Pacer, batches: list[list[str]]) -> AsyncIterator[
         tuple[JobLoop, JobApi, Jobs, Ticker, Awaitable[bool]]]:
+    """A job loop over the stand-ins, taking ``concurrency`` jobs at most (or as a pacer
+    says: tests/test_pacer.py)."""
     ticker = Ticker()
     ticking = asyncio.create_task(ticker.run())
     api, jobs = JobApi(ticker, batches), Jobs(ticker)

@@ -11,19 +11,17 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.fake_job_api import FakeJobApi, peak_in_flight
-from tests.test_jobloop import JobApi, Jobs, Ticker, _no_output, until
+from tests.test_jobloop import running, until
 from worker.config.capacity import Capacity
 from worker.jobs.batch import BatchOptions, BatchRunner
 from worker.jobs.batch_format import LineAnswer
 from worker.jobs.capacity import Load
-from worker.jobs.jobloop import JobLoop
 from worker.jobs.pacer import Pacer
 from worker.jobs.routing import JobDefaults, VllmRequest
 
@@ -32,29 +30,8 @@ from worker.jobs.routing import JobDefaults, VllmRequest
 SMALL = Capacity(8, "MAX_NUM_SEQS", kv_tokens=4 * 512 + 16, context=512)
 
 
-@contextlib.asynccontextmanager
-async def taking(pacer: Pacer, batches: list[list[str]]) -> AsyncIterator[
-        tuple[JobLoop, JobApi, Jobs]]:
-    ticker = Ticker()
-    ticking = asyncio.create_task(ticker.run())
-    api, jobs = JobApi(ticker, batches), Jobs(ticker)
-    loop = JobLoop(_no_output, pacer)
-    loop._scaler.jobs_fetcher = api.fetch
-    loop._scaler.jobs_handler = jobs.handle
-    run = asyncio.create_task(loop.run())
-    try:
-        yield loop, api, jobs
-    finally:
-        loop.stop(0)
-        for job_id in list(jobs.started):
-            jobs.end(job_id)
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(run, 60)
-        ticking.cancel()
-
-
 async def test_the_first_take_asks_for_what_vllms_start_up_figures_hold() -> None:
-    async with taking(Pacer(None, SMALL), [["a"]]) as (_, api, _jobs):
+    async with running(Pacer(None, SMALL), [["a"]]) as (_, api, _jobs, _ticker, _run):
         await until(lambda: len(api.takes) >= 1, "a take")
         assert api.takes[0][1] == 4  # 4 requests of the whole context
 
@@ -62,7 +39,7 @@ async def test_the_first_take_asks_for_what_vllms_start_up_figures_hold() -> Non
 async def test_a_number_set_is_taken_whatever_vllm_says() -> None:
     pacer = Pacer(3, SMALL)
     pacer.observe(Load(waiting=9, kv_usage=1.0))
-    async with taking(pacer, [["a"]]) as (_, api, _jobs):
+    async with running(pacer, [["a"]]) as (_, api, _jobs, _ticker, _run):
         await until(lambda: len(api.takes) >= 1, "a take")
         assert api.takes[0][1] == 3
 
@@ -70,7 +47,7 @@ async def test_a_number_set_is_taken_whatever_vllm_says() -> None:
 async def test_takes_stop_while_vllm_queues_and_resume_as_it_drains() -> None:
     pacer = Pacer(None, Capacity(8, "MAX_NUM_SEQS"))
     pacer.observe(Load(running=8, waiting=3))  # vLLM queues requests (another client's)
-    async with taking(pacer, [["a"], ["b"], ["c"]]) as (_, api, jobs):
+    async with running(pacer, [["a"], ["b"], ["c"]]) as (_, api, jobs, _ticker, _run):
         await until(lambda: "a" in jobs.started, "the first job started")
         assert api.takes == [(api.takes[0][0], 1)]  # one job at least
         for _ in range(200):

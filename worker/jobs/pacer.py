@@ -92,10 +92,6 @@ class Pacer:
         self._logged_at = -LOG_EVERY
 
     @property
-    def auto(self) -> bool:
-        return self.setting is None
-
-    @property
     def ceiling(self) -> int:
         """The most jobs it may ever hold: the SDK's queue and the HTTP pool are this big."""
         return self.setting if self.setting is not None else self.capacity.max_num_seqs
