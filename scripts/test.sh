@@ -51,15 +51,23 @@ trap 'kill "$vllm_setup" "$no_vllm" 2>/dev/null || true' EXIT
 
 rest=0
 oldest=0
+tools_status=0
 if wait "$vllm_setup"; then
   # The oldest vLLM of the supported range installs while the rest runs (its tests, marked
   # oldest_vllm, come last, still one vLLM at a time).
   bash scripts/setup.sh --oldest-vllm > .test-results/oldest-setup.log 2>&1 &
   oldest_setup=$!
-  trap 'kill "$no_vllm" "$oldest_setup" 2>/dev/null || true' EXIT
+  # The tests that run or read vLLM's install without serving it (marker vllm_tools: its
+  # parser, its downloads, a catalog dump) run beside those that serve, their output kept.
+  WORKER_TEST_TIMES=.test-results/tools.json .venv/bin/python -m pytest \
+    -m "vllm_tools and not oldest_vllm and not ($beside)" \
+    --junitxml=.test-results/tools.xml > .test-results/tools.log 2>&1 &
+  tools=$!
+  trap 'kill "$no_vllm" "$oldest_setup" "$tools" 2>/dev/null || true' EXIT
   WORKER_TEST_TIMES=.test-results/rest.json .venv/bin/python -m pytest \
-    -m "not ($beside) and not oldest_vllm" \
+    -m "not ($beside) and not oldest_vllm and not vllm_tools" \
     --junitxml=.test-results/rest.xml 2>&1 | tee .test-results/rest.log || rest=$?
+  wait "$tools" || tools_status=$?
   if wait "$oldest_setup"; then
     WORKER_TEST_TIMES=.test-results/oldest.json .venv/bin/python -m pytest -m oldest_vllm \
       --junitxml=.test-results/oldest.xml 2>&1 | tee .test-results/oldest.log || oldest=$?
@@ -79,7 +87,13 @@ echo
 echo "== the tests that need no vLLM ($beside), run while vLLM installed: their output =="
 cat .test-results/no-vllm.log
 echo
-times=(.test-results/no-vllm.json .test-results/rest.json .test-results/oldest.json)
+if [ -f .test-results/tools.log ]; then
+  echo "== the tests that run vLLM's install without serving it, run beside the rest: their output =="
+  cat .test-results/tools.log
+  echo
+fi
+times=(.test-results/no-vllm.json .test-results/tools.json .test-results/rest.json
+       .test-results/oldest.json)
 existing=()
 for file in "${times[@]}"; do [ -f "$file" ] && existing+=("$file"); done
 if [ ${#existing[@]} -gt 0 ]; then
@@ -89,6 +103,8 @@ outcome() {  # pytest's last line of a session's output, or why there is none
   { grep -E '^=+ .+ in [0-9.]+s' "$1" 2>/dev/null || echo "= did not run ="; } | tail -1 | tr -d '='
 }
 echo "test.sh: without vLLM:$(outcome .test-results/no-vllm.log)(exit status $no_vllm_status);" \
+  "vLLM's install, not served:$(outcome .test-results/tools.log)(exit status $tools_status);" \
   "the rest:$(outcome .test-results/rest.log)(exit status $rest);" \
   "on the oldest vLLM:$(outcome .test-results/oldest.log)(exit status $oldest)"
-[ "$no_vllm_status" -eq 0 ] && [ "$rest" -eq 0 ] && [ "$oldest" -eq 0 ]
+[ "$no_vllm_status" -eq 0 ] && [ "$tools_status" -eq 0 ] && [ "$rest" -eq 0 ] && \
+  [ "$oldest" -eq 0 ]

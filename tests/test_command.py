@@ -769,6 +769,7 @@ def test_build_command_imports_nothing_but_the_standard_library() -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_vllm_accepts_the_built_command(vllm_python: str, tmp_path: Path) -> None:
     """vLLM's own `vllm serve` parser takes the argv as meant (LoRA items, JSON, pairs)."""
     config = tmp_path / "c.yaml"

@@ -366,6 +366,7 @@ platforms.builtin_platform_plugins["cuda"] = lambda: None
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_the_catalog_dump_works_on_a_gpu_less_builder(
     vllm_python: str, build_context: Path, tmp_path: Path
 ) -> None:
@@ -496,6 +497,7 @@ def test_download_from_the_hub_cache_with_revisions(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_download_runs_on_vllms_python_too(vllm_python: str, tmp_path: Path) -> None:
     """The image runs the script with the base image's python3 (vLLM's huggingface_hub)."""
     model, _ = _offline_cache(tmp_path)

@@ -22,10 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import StartWorker
-from tests.fake_job_api import FakeJobApi
 from tests.serving import Serving, start_serving
-from tests.test_e2e_failures import PROMPT, startup_error
 from tests.test_e2e_routes import sse_events, streamed_text
 from tests.tiny_model import tiny_env as tiny_env_of
 from worker.config.flags import packaged_catalog_path
@@ -117,23 +114,3 @@ def test_a_field_the_oldest_vllm_lacks_is_refused_by_name(oldest: Serving) -> No
     record = oldest.run({"prompt": "Hello", "sampling_params": {"max_tokens": 2, field: None}})
     assert record.error is not None, record.done
     assert f"sampling_params.{field}" in json.dumps(record.done)
-
-
-def test_a_kv_cache_without_room_for_one_request_is_explained_on_the_oldest_vllm(
-    job_api: FakeJobApi, start_worker: StartWorker, oldest_env: dict[str, str]
-) -> None:
-    """The one failure family whose wording differs between the two vLLMs
-    (tests/data/failure_logs/README.md): 0.27.1 says a request of the model's length needs
-    more KV cache than there is, where 0.32.0 says there is no memory for the cache blocks.
-    A real failing start on 0.27.1 is explained as on 0.32.0: the relaunch with a smaller
-    footprint, then the settings to change (the diagnosis of both versions' logs:
-    tests/test_diagnosis.py)."""
-    worker = start_worker({**oldest_env, "KV_CACHE_MEMORY_BYTES": "10000"}, check_health=False)
-    record = job_api.wait_done(job_api.submit(PROMPT), timeout=240)
-    message = startup_error(record)
-    assert "To serve at least one request with the model's max seq len" in worker.log()
-    assert message.startswith("The KV cache cannot hold one request of the maximum length"), message
-    # The setting the endpoint gave (KV_CACHE_MEMORY_BYTES) is the one to raise.
-    assert "Lower MAX_MODEL_LEN" in message and "KV_CACHE_MEMORY_BYTES" in message, message
-    assert "Already tried: a relaunch" in message, message
-    assert len(worker.vllm_pids()) == 2  # the first start and the one relaunch

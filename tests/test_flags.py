@@ -211,6 +211,7 @@ def dump_with(python: str, tmp_path: Path) -> FlagCatalog:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
     catalog = dump_with(vllm_python, tmp_path)
     # The packaged catalog of the default vLLM is this very dump: regenerate it when vLLM

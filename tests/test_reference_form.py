@@ -152,6 +152,7 @@ def test_the_forms_defaults_all_at_once_make_a_command(catalog: FlagCatalog) -> 
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_tools
 def test_vllm_takes_the_forms_command_and_knows_its_names(
     vllm_python: str, catalog: FlagCatalog
 ) -> None:

@@ -22,10 +22,12 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from packaging.version import InvalidVersion, Version
+from typing import TYPE_CHECKING
 
 from worker.config.flags import PACKAGED_DIR, env_name
+
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 #: The oldest vLLM the worker is tested with: the reference worker's documented version, run
 #: by the tests as the second CPU vLLM (``.venv-vllm-0.27.1``).
@@ -41,24 +43,34 @@ GUIDE = "docs/deploy.md, 'Choosing a vLLM version'"
 _CATALOG_NAME = re.compile(r"vllm-(?P<version>\d[^/]*)\.json")
 
 
+_PLAIN = re.compile(r"v?(\d+(?:\.\d+)*)")
+
+
 def parse_version(version: str) -> Version | None:
     """``version`` as vLLM writes it, read as Python's packaging reads it (PEP 440: ``0.32.0``,
     ``0.33.0rc1``, ``0.34.0.dev12+gabc123``, ``0.32.0+cpu``; a leading ``v`` as the image tags
-    have it); None when it is not one."""
+    have it); None when it is not one. Imported here only: building the command needs none
+    of it for a plain release (tests/test_command.py keeps that build to the standard
+    library)."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         return Version(version.strip().removeprefix("v"))
     except InvalidVersion:
         return None
 
 
+def _release(numbers: tuple[int, ...]) -> tuple[int, ...]:
+    return numbers + (0,) * (3 - len(numbers)) if len(numbers) < 3 else numbers
+
+
 def version_key(version: str) -> tuple[int, ...] | None:
     """The release numbers of ``version`` (``0.32.0+cpu`` → (0, 32, 0); ``v0.33.0rc1`` →
     (0, 33, 0)), three at least; None when it is not a version."""
+    if plain := _PLAIN.fullmatch(version.strip()):
+        return _release(tuple(int(part) for part in plain.group(1).split(".")))
     parsed = parse_version(version)
-    if parsed is None:
-        return None
-    numbers = parsed.release
-    return numbers + (0,) * (3 - len(numbers)) if len(numbers) < 3 else numbers
+    return None if parsed is None else _release(parsed.release)
 
 
 def in_range(version: str) -> bool | None:
@@ -66,11 +78,16 @@ def in_range(version: str) -> bool | None:
     PEP 440 orders them: a pre-release or dev build of :data:`OLDEST` comes before it (out),
     one of a minor release up to :data:`NEWEST_MINOR` is in; a local part (``+cpu``) counts
     as its release."""
-    parsed = parse_version(version)
-    if parsed is None:
+    key = version_key(version)
+    oldest, newest = version_key(OLDEST), version_key(NEWEST_MINOR)
+    assert oldest is not None and newest is not None
+    if key is None:
         return None
-    newest = Version(NEWEST_MINOR).release[:2]
-    return parsed >= Version(OLDEST) and parsed.release[:2] <= newest
+    if not _PLAIN.fullmatch(version.strip()):  # a pre-release, a dev build, a local part
+        parsed, first = parse_version(version), parse_version(OLDEST)
+        assert parsed is not None and first is not None
+        return parsed >= first and key[:2] <= newest[:2]
+    return oldest <= key and key[:2] <= newest[:2]
 
 
 def range_warning(version: str) -> str | None:
