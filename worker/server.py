@@ -92,9 +92,9 @@ class QueueWorker:
         their files signed with the AWS_* variables the start read (those vLLM's model
         streamer gets)."""
         launch = self.startup.launch
-        max_num_seqs = launch.command.value("--max-num-seqs") if launch else None
-        if max_num_seqs is None and self._capacity is not None:
-            max_num_seqs = str(self._capacity.max_num_seqs)
+        # The start read it (MAX_NUM_SEQS, else vLLM's default for the device).
+        max_num_seqs = str(self._capacity.max_num_seqs) if self._capacity is not None else (
+            launch.command.value("--max-num-seqs") if launch else None)
         sign = functools.partial(object_request, dict(launch.env) if launch else {})
         return BatchOptions(concurrency(self.settings.batch_concurrency, max_num_seqs),
                             BatchFiles(sign), self.settings.progress_interval)
