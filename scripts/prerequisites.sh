@@ -13,7 +13,8 @@
 # Run as root on a machine with apt-get, it installs the packages that are missing (as .ci/run
 # does for debootstrap); otherwise it prints one line, NAME: what is missing and the command
 # that installs it, and exits 1. PREREQUISITES_NO_INSTALL=1 only reports; PREREQUISITES_ROOT
-# is where the library folders are looked for (default /): both for tests/test_install.py.
+# is where the library folders and /usr/sbin are looked for (default /): both for
+# tests/test_install.py, which also hands it a PATH and an `id` of its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,7 +63,7 @@ if $image; then
     missing+=("root (the image tests make Debian root filesystems)")
     advice+=("run as root, or leave the image tests out: scripts/test.sh -m 'not image'")
   fi
-  command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] \
+  command -v debootstrap >/dev/null 2>&1 || [ -x "$root/usr/sbin/debootstrap" ] \
     || need "debootstrap (the image tests)" debootstrap
   command -v unshare >/dev/null 2>&1 || need "unshare (the image tests)" util-linux
 fi

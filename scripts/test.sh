@@ -8,10 +8,12 @@
 # .venv-vllm (not `vllm`, not `image`: the quick tier and the soak against a stand-in vLLM;
 # the markers say so, tests/suite_report.py; and the fresh machine's run of
 # scripts/run_local.sh) start as soon as .venv is installed, while vLLM installs, the longest
-# first; their output is kept and printed at the end. The
-# rest (real vLLM, the image) starts once vLLM is installed, one test at a time, so that no
-# two vLLMs run at once, while the oldest vLLM of the supported range installs; the tests on
-# that one (marker oldest_vllm) run last, as a third session.
+# first; their output is kept and printed at the end. The tests that serve the CPU vLLM
+# start once vLLM is installed, one test at a time, while the oldest vLLM of the supported
+# range installs. Beside them, once the first session has ended, a third session runs the
+# rest, one test at a time too: vLLM's install read without serving it (marker vllm_tools),
+# the image's builds and containers (image) and the oldest vLLM's tests (oldest_vllm). At most
+# two vLLMs run at once, one per session. Its output is printed at the end.
 # Each test's time is kept in .test-results/*.xml; the run ends with the 20 slowest tests and
 # the time of every file over the sessions (tests/suite_report.py).
 set -euo pipefail
@@ -35,7 +37,7 @@ fi
 # fresh_machine, tests/test_fresh_machine.py: minutes of installs of its own, which need
 # nothing of .venv-vllm), first, then the soak.
 beside="(not vllm and not image) or fresh_machine"
-rm -f .test-results/*.xml .test-results/*.json .test-results/*.log
+rm -f .test-results/*.xml .test-results/*.json .test-results/*.log .test-results/*.status
 bash scripts/setup.sh --vllm &
 vllm_setup=$!
 trap 'kill "$vllm_setup" 2>/dev/null || true' EXIT
@@ -50,34 +52,36 @@ no_vllm=$!
 trap 'kill "$vllm_setup" "$no_vllm" 2>/dev/null || true' EXIT
 
 rest=0
-oldest=0
-tools_status=0
+beside_status=0
 if wait "$vllm_setup"; then
-  # The oldest vLLM of the supported range installs while the rest runs (its tests, marked
-  # oldest_vllm, come last, still one vLLM at a time).
-  bash scripts/setup.sh --oldest-vllm > .test-results/oldest-setup.log 2>&1 &
+  # The oldest vLLM of the supported range installs while the rest runs; its exit status is
+  # kept in a file for the session beside (not a child of its shell, so not for its `wait`).
+  (status=0; bash scripts/setup.sh --oldest-vllm > .test-results/oldest-setup.log 2>&1 || status=$?
+   echo "$status" > .test-results/oldest-setup.status) &
   oldest_setup=$!
-  # The tests that run or read vLLM's install without serving it (marker vllm_tools: its
-  # parser, its downloads, a catalog dump) run beside those that serve, their output kept,
-  # once the first session has ended: its soak's faults are timed, and on 2 cores a third
-  # session beside it moved them onto each other.
+  # Beside the tests that serve, a session of its own, its output kept: the tests that run or
+  # read vLLM's install without serving it (marker vllm_tools), the image's (builds, and
+  # containers that serve), and the oldest vLLM's (marker oldest_vllm), once that one is
+  # installed. It starts once the first session has ended: that session's soak has timed
+  # faults, and on 2 cores a session beside it once moved two of them onto each other.
   (while kill -0 "$no_vllm" 2>/dev/null; do sleep 2; done
-   WORKER_TEST_TIMES=.test-results/tools.json exec .venv/bin/python -m pytest \
-     -m "vllm_tools and not oldest_vllm and not ($beside)" \
-     --junitxml=.test-results/tools.xml > .test-results/tools.log 2>&1) &
-  tools=$!
-  trap 'kill "$no_vllm" "$oldest_setup" "$tools" 2>/dev/null || true' EXIT
+   while [ ! -f .test-results/oldest-setup.status ]; do sleep 2; done
+   selection="(vllm_tools or image or oldest_vllm) and not ($beside)"
+   if [ "$(cat .test-results/oldest-setup.status)" != 0 ]; then
+     selection="(vllm_tools or image) and not oldest_vllm and not ($beside)"
+   fi
+   WORKER_TEST_TIMES=.test-results/beside.json exec .venv/bin/python -m pytest \
+     -m "$selection" --junitxml=.test-results/beside.xml > .test-results/beside.log 2>&1) &
+  beside_session=$!
+  trap 'kill "$no_vllm" "$oldest_setup" "$beside_session" 2>/dev/null || true' EXIT
   WORKER_TEST_TIMES=.test-results/rest.json .venv/bin/python -m pytest \
-    -m "not ($beside) and not oldest_vllm and not vllm_tools" \
+    -m "not ($beside) and not (vllm_tools or image or oldest_vllm)" \
     --junitxml=.test-results/rest.xml 2>&1 | tee .test-results/rest.log || rest=$?
-  wait "$tools" || tools_status=$?
-  if wait "$oldest_setup"; then
-    WORKER_TEST_TIMES=.test-results/oldest.json .venv/bin/python -m pytest -m oldest_vllm \
-      --junitxml=.test-results/oldest.xml 2>&1 | tee .test-results/oldest.log || oldest=$?
-  else
-    oldest=$?
+  wait "$beside_session" || beside_status=$?
+  if [ "$(cat .test-results/oldest-setup.status 2>/dev/null)" != 0 ]; then
     cat .test-results/oldest-setup.log >&2
     echo "test.sh: the oldest vLLM's install failed; its tests did not run" >&2
+    beside_status=1
   fi
 else
   rest=$?
@@ -90,13 +94,12 @@ echo
 echo "== the tests that need no vLLM ($beside), run while vLLM installed: their output =="
 cat .test-results/no-vllm.log
 echo
-if [ -f .test-results/tools.log ]; then
-  echo "== the tests that run vLLM's install without serving it, run beside the rest: their output =="
-  cat .test-results/tools.log
+if [ -f .test-results/beside.log ]; then
+  echo "== vLLM's install not served, the image, the oldest vLLM, run beside the rest: their output =="
+  cat .test-results/beside.log
   echo
 fi
-times=(.test-results/no-vllm.json .test-results/tools.json .test-results/rest.json
-       .test-results/oldest.json)
+times=(.test-results/no-vllm.json .test-results/beside.json .test-results/rest.json)
 existing=()
 for file in "${times[@]}"; do [ -f "$file" ] && existing+=("$file"); done
 if [ ${#existing[@]} -gt 0 ]; then
@@ -106,8 +109,6 @@ outcome() {  # pytest's last line of a session's output, or why there is none
   { grep -E '^=+ .+ in [0-9.]+s' "$1" 2>/dev/null || echo "= did not run ="; } | tail -1 | tr -d '='
 }
 echo "test.sh: without vLLM:$(outcome .test-results/no-vllm.log)(exit status $no_vllm_status);" \
-  "vLLM's install, not served:$(outcome .test-results/tools.log)(exit status $tools_status);" \
-  "the rest:$(outcome .test-results/rest.log)(exit status $rest);" \
-  "on the oldest vLLM:$(outcome .test-results/oldest.log)(exit status $oldest)"
-[ "$no_vllm_status" -eq 0 ] && [ "$tools_status" -eq 0 ] && [ "$rest" -eq 0 ] && \
-  [ "$oldest" -eq 0 ]
+  "beside (vLLM's install, the image, the oldest vLLM):$(outcome .test-results/beside.log)(exit status $beside_status);" \
+  "the rest:$(outcome .test-results/rest.log)(exit status $rest)"
+[ "$no_vllm_status" -eq 0 ] && [ "$beside_status" -eq 0 ] && [ "$rest" -eq 0 ]

@@ -16,9 +16,9 @@ DOCS = ROOT / "docs"
 HUB_PAGE = ROOT / ".runpod" / "README.md"
 
 #: Pages whose jobs need more than the one tiny model the tests serve (an adapter on a
-#: volume, a vision-language model, a pooling endpoint, an audio model, a bucket): their own
-#: tests run them, not the shared worker of tests/test_examples.py.
-OWN_SET_UP = frozenset({"adapters.md", "batch.md", "images.md", "pooling.md",
+#: volume, a vision-language model, a pooling endpoint, an audio model, a bucket, the ranks of
+#: a cluster): their own tests run them, not the shared worker of tests/test_examples.py.
+OWN_SET_UP = frozenset({"adapters.md", "batch.md", "clusters.md", "images.md", "pooling.md",
                         "speech-to-text.md"})
 
 

@@ -12,7 +12,8 @@ next request that comes on the same connection before reading it: what vLLM's uv
 after an exception escaped a route, which it answers 500 and logs before it closes the
 connection the client has put back in its pool), ``hold_after`` N (a stream: after N events,
 send nothing more until the test releases it, :meth:`FakeOpenAI.release` or ``POST
-/fake/release``; at most :data:`HOLD_LIMIT` s, for a test whose release never comes).
+/fake/release``; at most :data:`HOLD_LIMIT` s, for a test whose release never comes),
+``hold_each`` (a stream: such a hold before every event but the first).
 Each hold's end is kept in :attr:`FakeOpenAI.holds`: ``"released"`` or ``"limit"``.
 
 Faults of the server itself, for the soak: ``POST /fake/listener {"down": S}`` restarts the
@@ -246,7 +247,7 @@ class FakeOpenAI:
         try:
             await response.prepare(request)
             for index in range(int(fake.get("events", 8))):
-                if index == fake.get("hold_after"):
+                if index == fake.get("hold_after") or (fake.get("hold_each") and index):
                     await self._hold()
                 if index == fake.get("stall_after"):
                     await asyncio.sleep(fake["stall"])

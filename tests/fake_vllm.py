@@ -13,11 +13,13 @@ do none of that at 64-256 concurrent streams.
 serves the routes of :class:`tests.fake_openai.FakeOpenAI` (the same app, reused, so the two
 cannot drift) on H:P in the foreground, under the first served model name (else MODEL), and
 prints vLLM-like log lines ("Application startup complete.") that the supervisor's start
-timeline recognises. SIGTERM/SIGINT stop it cleanly, as the supervisor expects of vLLM.
+timeline recognises. SIGTERM/SIGINT stop it cleanly, as the supervisor expects of vLLM;
+``FAKE_VLLM_ENGINE=1`` also starts an engine core that a SIGTERM does not stop
+(:data:`ENGINE`).
 
 The worker runs ``VLLM_EXECUTABLE`` as argv[0], and the system ``python3`` lacks aiohttp, so
 tests point it at :func:`write_wrapper`'s shell script, which execs this file with the test's
-own interpreter. A ``/bin/sh`` shebang also makes ``worker.server.vllm_python`` return None,
+own interpreter. A ``/bin/sh`` shebang also makes ``worker.start.build.vllm_python`` return None,
 so the worker takes its packaged flag catalog at once instead of trying to dump one.
 """
 
@@ -29,6 +31,7 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -78,6 +81,18 @@ def _log(message: str) -> None:
     print(f"INFO:     {message}", flush=True)
 
 
+#: The stand-in's "engine core": a process of its group that ignores SIGTERM and does not watch
+#: its parent, as vLLM 0.32's engine core does not (only a stop's SIGKILL, or the watchdog's,
+#: ends it).
+ENGINE = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          "print(f'INFO:     engine core up (pid {os.getpid()})', flush=True); time.sleep(3600)")
+
+
+def start_engine() -> None:
+    """FAKE_VLLM_ENGINE: start the engine core (:data:`ENGINE`) first, as vLLM does."""
+    subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.DEVNULL)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The few `vllm serve` arguments the fake uses; every other flag is accepted and ignored."""
     parser = argparse.ArgumentParser(prog="fake-vllm", add_help=False)
@@ -97,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fake vllm: only 'serve' is supported, not {args.command!r}", file=sys.stderr)
         return 2
     model = (args.served_model_name or [None])[0] or args.model or args.model_flag or "fake-model"
+    if os.environ.get("FAKE_VLLM_ENGINE"):
+        start_engine()
     # FAKE_VLLM_START_DELAY: seconds of "loading" before the server listens, as vLLM's do.
     time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY") or 0))
     _log(f"fake vLLM API server (model {model!r}) on {args.host}:{args.port}")

@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from tests.conftest import load_script
-from tests.worker_process import ROOT, WorkerProcess
+from tests.worker_process import CONTAINERS, ROOT, WorkerProcess
 
 BED_SCRIPT = ROOT / "scripts" / "make_base_image.py"
 #: Where a container finds the environment the test gives it (a file, never argv).
@@ -140,6 +140,10 @@ class Container(WorkerProcess):
     (a token above all) is in any process's argv, buildah's included. The container shares the
     host's network and PID space: its processes are the machine's, loopback is the machine's.
     """
+
+    #: The image's vLLM, as the worker in it names it (VLLM_EXECUTABLE's default: on PATH).
+    place = CONTAINERS
+    vllm = "vllm"
 
     def __init__(self, bed: ImageBed, image: str, env: Mapping[str, str], log_path: Path, *,
                  mounts: Sequence[tuple[Path, str]] = ()) -> None:

@@ -7,7 +7,7 @@ the command, its typed sources and the hub facts follow as in the worker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import yaml
 
@@ -27,12 +27,15 @@ def launch_of(
     *,
     baked_args_path: str = NO_BAKED,
     catalog: FlagCatalog = CATALOG,
+    shm_bytes: int | None = None,
+    interfaces: Sequence[tuple[str, str]] = (),
 ) -> Launch:
     """The start ``env`` (and a config file at /vllm_config.yaml with ``config``) makes.
 
     Files other than the config file are read from the real file system (a baked model file
     at ``baked_args_path``, a token file under HF_HOME). ``catalog``: the vLLM that runs
-    (default 0.32.0's).
+    (default 0.32.0's). The machine's /dev/shm is ``shm_bytes`` (None: unknown) and its network
+    interfaces ``interfaces``, ``(name, address)`` pairs, whatever this machine has.
     """
     env = dict(env or {})
     files = {CONFIG_PATH: yaml.safe_dump(dict(config))} if config else {}
@@ -53,5 +56,6 @@ def launch_of(
     settings = Settings(base_path=env.get("BASE_PATH", "/runpod-volume"),
                         baked_model_file=baked_args_path)
     builder = Builder(settings, env, catalog_loader=lambda *_: catalog, file_exists=exists,
-                      read_text=read_text)
+                      read_text=read_text, shm_size=lambda: shm_bytes,
+                      interfaces=lambda: interfaces)
     return builder.launch()

@@ -118,6 +118,9 @@ def _start_baked_worker(tiny_env: dict[str, str], tiny_model: Path,
            "HF_HUB_OFFLINE": "",
            # tests/test_e2e_failures.py's SIGTERM finds a batch with lines not yet sent.
            "BATCH_CONCURRENCY": "2",
+           # ... and its jobs finish within the whole WORKER_DRAIN_TIMEOUT (30 s), as on a
+           # platform whose grace is that long (docs/reliability.md, the stop).
+           "WORKER_STOP_GRACE": "60",
            # As many jobs as vLLM has room for (tests/test_e2e_config.py reads what).
            "MAX_CONCURRENCY": ""}
     return start_serving(env, folder / "worker.log")
@@ -178,7 +181,10 @@ def _start_hub_lb(tiny_env: dict[str, str], tiny_model: Path,
         hub.bandwidth = 2e6
         env = {**tiny_env, "VLLM_PORT": str(free_port()), "MODEL_NAME": REPO,
                "HF_ENDPOINT": hub.url, "HF_HOME": str(home),
-               "BASE_PATH": str(home / "no-volume"), "WORKER_PROGRESS_INTERVAL": "1"}
+               "BASE_PATH": str(home / "no-volume"), "WORKER_PROGRESS_INTERVAL": "1",
+               # tests/test_e2e_lb.py's SIGTERM lets its streams finish within the whole
+               # WORKER_DRAIN_TIMEOUT (30 s), as on a platform whose grace is that long.
+               "WORKER_STOP_GRACE": "60"}
         del env["HF_HUB_OFFLINE"]
         lb = start_lb_worker(env, home / "lb.log", separate_health_port=True)
     except BaseException:

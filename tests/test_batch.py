@@ -29,7 +29,7 @@ from worker.jobs.batch import BatchOptions
 from worker.jobs.batch_files import BatchFiles
 from worker.jobs.handler import Proxy
 from worker.jobs.routing import BatchPolicy
-from worker.model.bucket import object_request
+from worker.model.bucket import error_code, object_request
 
 POLICY = BatchPolicy()
 
@@ -87,7 +87,7 @@ def test_a_batch_input_of_lines_or_of_a_file() -> None:
     ({"custom_id": "a", "url": "/v1/completions"}, "body", "needs its 'body'"),
     ({"custom_id": "a", "url": "/v1/completions", "body": [1]}, "body", "JSON object"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {"stream": True}}, "body.stream",
-     "answered whole"),
+     "cannot stream"),
     ({"custom_id": "a", "url": "/v1/completions", "body": {}, "extra": 1}, "extra",
      "not 'extra'"),
 ])
@@ -470,7 +470,7 @@ def store() -> Iterator[FakeS3]:
 
 
 def s3_files(store: FakeS3, **env: str) -> BatchFiles:
-    return BatchFiles(partial(object_request, {**store.env(), **env}))
+    return BatchFiles(partial(object_request, {**store.env(), **env}), error_code=error_code)
 
 
 async def test_a_batch_read_from_and_written_to_the_store(store: FakeS3) -> None:
@@ -557,7 +557,7 @@ async def test_a_failed_batch_leaves_what_was_at_its_output_url(store: FakeS3) -
 
 
 def https(answer: Callable[[httpx.Request], httpx.Response]) -> BatchFiles:
-    return BatchFiles(transport=httpx.MockTransport(answer))
+    return BatchFiles(error_code=error_code, transport=httpx.MockTransport(answer))
 
 
 async def test_a_batch_over_https() -> None:
@@ -658,3 +658,17 @@ def test_the_signature_of_an_object_put_is_botocores(monkeypatch: pytest.MonkeyP
         request)
     assert headers["authorization"] == request.headers["Authorization"]
 
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchKey</Code>'
+     b"<Message>The specified key does not exist.</Message></Error>", "NoSuchKey"),
+    (b'<Error xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Code>AccessDenied</Code>'
+     b"</Error>", "AccessDenied"),
+    (b"<ListBucketResult><Code>NotAnError</Code></ListBucketResult>", None),
+    (b"<html><body>403 Forbidden</body></html>", None),
+    (b"<Error><Code>", None),  # cut short
+    (b"", None),
+], ids=["s3", "with-namespace", "not-an-error", "html", "cut", "empty"])
+def test_a_refusal_is_named_by_its_s3_error_code(body: bytes, code: str | None) -> None:
+    assert error_code(body) == code

@@ -1,33 +1,51 @@
 """Instant Clusters, in-process: the rank's plan from the cluster's variables, its command,
-and the dry run that shows every rank's command (tests/test_e2e_cluster.py runs the ranks)."""
+and the dry run that shows every rank's command; a rank's checks and its end, against stand-ins
+of its vLLM and of its checks (tests/test_e2e_cluster.py runs the ranks)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import signal
 import socket
 import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
+from aiohttp import web
 
 from tests.conftest import free_port
 from tests.fake_vllm import fake_vllm_env
+from tests.launches import CATALOG, NO_BAKED
 from tests.test_command import build, with_model
 from tests.test_main import run_worker
+from tests.test_startup import FakeProcess, Script, no_hub_problem
 from tests.worker_process import WorkerProcess, wait_until
 from worker.config.cluster import ClusterPlan, plan_cluster
+from worker.config.resolved import Launch
+from worker.config.settings import Settings
 from worker.errors import ConfigError
+from worker.lb import LoadBalancerWorker, State
+from worker.secrets import SecretMasker
+from worker.start.build import Builder
 from worker.start.cluster import (
-    PRIMARY_MISSES,
+    MISSES,
+    Answer,
     RankPhase,
     cluster_check,
     explain_no_join,
     primary_gone,
     rank_phase,
+    vllm_said,
 )
+from worker.start.rank import ClusterRank, RankState, primary_answers, watch_cluster
+from worker.start.startup import Startup
+from worker.start.supervisor import Readiness
 
 #: What Runpod sets on the second pod of a cluster of two nodes of eight GPUs.
 RUNPOD = {
@@ -161,16 +179,65 @@ def test_a_primary_that_answers_but_never_lets_the_rank_join_points_at_rank_0() 
     assert "rank 0 itself may not have started" in explain_no_join([], PLAN, 300, None)
 
 
-@pytest.mark.parametrize(("status", "error", "broken"), [
-    (200, None, False), (400, None, False), (500, None, True), (None, "ReadTimeout", True)])
-def test_a_check_through_rank_0_that_fails_ends_the_cluster(
-    status: int | None, error: str | None, broken: bool
+BUSY_503 = Answer(503, "Request failed; please retry")
+SERVING = Answer(200)
+#: The start of every verdict that vLLM refused the check itself (a configuration to fix).
+REFUSED = "the cluster cannot be checked: vLLM refused a 1-token completion of 'm' through rank 0"
+GONE = "the cluster stopped serving: a 1-token completion of 'm' through rank 0 got"
+
+
+@pytest.mark.parametrize(("answers", "verdict"), [
+    ([SERVING], None),
+    ([Answer(204)], None),
+    # Busy (HTTP's "try again later"): the cluster is given up after MISSES in a row only.
+    ([BUSY_503] * (MISSES - 1), None),
+    ([Answer(429), *[BUSY_503] * (MISSES - 1)],
+     "the cluster stopped serving: vLLM turned a 1-token completion of 'm' through rank 0 away "
+     "as busy 3 times in a row, the last with HTTP 503 (Request failed; please retry) (a rank "
+     "may be stuck)"),
+    ([BUSY_503, SERVING, *[BUSY_503] * (MISSES - 1)], None),
+    # A refusal of the check itself is the same every time: given up at once, named.
+    ([Answer(401, "Unauthorized")],
+     f"{REFUSED} with HTTP 401 (Unauthorized): the check sends VLLM_API_KEY (no key when it is "
+     "unset), and vLLM wants another key. A check that is always refused would never see a "
+     "rank that is gone, so the rank stops instead"),
+    ([Answer(403)], f"{REFUSED} with HTTP 403: the check sends VLLM_API_KEY"),
+    ([Answer(404, "The model `m` does not exist.")],
+     f"{REFUSED} with HTTP 404 (The model `m` does not exist.): a cluster must serve a model "
+     "that generates text, under the name the check asks for. A check that is always refused"),
+    ([Answer(404, "Not Found")], f"{REFUSED} with HTTP 404 (Not Found): a cluster must serve"),
+    ([Answer(400, "The model does not support Completions API")], f"{REFUSED} with HTTP 400"),
+    ([BUSY_503, BUSY_503, Answer(422)], f"{REFUSED} with HTTP 422"),
+    # vLLM's engine died with a rank, or no answer: given up at once, busy before or not.
+    ([Answer(500, "EngineCore encountered an issue.")],
+     f"{GONE} HTTP 500 (EngineCore encountered an issue.) (a rank is gone, or cannot be "
+     "reached)"),
+    ([BUSY_503, Answer(502)], f"{GONE} HTTP 502 (a rank is gone"),
+    ([Answer(None, "ReadTimeout")], f"{GONE} no answer (ReadTimeout) (a rank is gone"),
+])
+def test_what_an_answer_through_rank_0_says_of_the_cluster(
+    answers: list[Answer], verdict: str | None
 ) -> None:
-    assert (cluster_check(status, error) is not None) is broken
+    said = cluster_check(answers, "m")
+    assert said == verdict if verdict is None else said is not None and said.startswith(verdict)
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ('{"error": {"message": "The model `m` does not exist.", "type": "NotFoundError"}}',
+     "The model `m` does not exist."),
+    ('{"error": "Unauthorized"}', "Unauthorized"),
+    ('{"detail": "Not Found"}', "Not Found"),
+    ("<html>\n  Bad   Gateway\n</html>", "<html> Bad Gateway </html>"),
+    ('{"error": {"code": 500}}', '{"error": {"code": 500}}'),
+    ("", ""),
+    ("x" * 400, "x" * 297 + "..."),
+])
+def test_vllms_words_for_a_refusal_come_from_its_error(body: str, said: str) -> None:
+    assert vllm_said(body) == said
 
 
 def test_the_primary_is_given_up_after_misses_in_a_row_only() -> None:
-    misses = [False] * PRIMARY_MISSES
+    misses = [False] * MISSES
     assert primary_gone(misses[:-1], PLAN) is None
     assert primary_gone([*misses[:-1], True], PLAN) is None
     assert primary_gone([True, *misses], PLAN) == (
@@ -179,17 +246,21 @@ def test_the_primary_is_given_up_after_misses_in_a_row_only() -> None:
 
 
 # -- a headless rank's worker, on a stand-in vLLM (worker/start/rank.py) ------------------------
-def headless_rank(tmp_path: Path, primary: socket.socket, *lines: str) -> tuple[WorkerProcess, str]:
-    """Rank 1's worker on a stand-in `vllm` that prints ``lines`` and sleeps; its health URL."""
+def headless_rank(tmp_path: Path, primary: socket.socket | tuple[str, int], *lines: str,
+                  **env: str) -> tuple[WorkerProcess, str]:
+    """Rank 1's worker on a stand-in `vllm` that prints ``lines`` and sleeps, its primary at
+    ``primary`` (a listening socket, or an address where nothing listens); its health URL."""
     script = tmp_path / "vllm"
     script.write_text("#!/bin/sh\n" + "".join(f"echo {shlex.quote(line)}\n" for line in lines)
                       + "exec sleep 600\n")
     script.chmod(0o755)
     port = free_port()
-    env = {**RUNPOD, "PRIMARY_ADDR": "127.0.0.1", "PRIMARY_PORT": str(primary.getsockname()[1]),
+    address, primary_port = (primary if isinstance(primary, tuple)
+                             else ("127.0.0.1", primary.getsockname()[1]))
+    env = {**RUNPOD, "PRIMARY_ADDR": address, "PRIMARY_PORT": str(primary_port),
            "NUM_TRAINERS": "1", "WORLD_SIZE": "2", "MODEL_NAME": "m", "WORKER_MODE": "http",
            "PORT": str(port), "VLLM_EXECUTABLE": str(script), "CLUSTER_CHECK_INTERVAL": "0.1",
-           "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+           "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", **env}
     rank = WorkerProcess([sys.executable, "-m", "worker"], env, log_path=tmp_path / "rank.log")
     return rank, f"http://127.0.0.1:{port}/health"
 
@@ -218,6 +289,26 @@ def test_a_headless_rank_answers_starting_then_ready_and_ends_when_the_primary_g
         wait_until(lambda: rank.proc.poll() is not None, "the rank never gave the cluster up")
         assert rank.proc.returncode == 1
         assert "stopped answering (3 checks in a row)" in rank.log()
+        assert rank.vllm_processes_left() == []
+    finally:
+        rank.kill()
+
+
+def test_a_rank_whose_primary_is_nowhere_says_so_and_exits(tmp_path: Path) -> None:
+    """A lone rank 1, its primary nowhere: its vLLM prints what the real one printed in that
+    case and then waits for torch's store in silence (the captured log of vLLM 0.32,
+    tests/data/failure_logs/0.32.0/cluster_primary_unreachable.log); the worker ends the rank
+    at CLUSTER_JOIN_TIMEOUT with the address its workers waited on and what a connection to
+    the primary got."""
+    captured = (Path(__file__).parent / "data" / "failure_logs" / "0.32.0"
+                / "cluster_primary_unreachable.log").read_text().splitlines()
+    rank, _ = headless_rank(tmp_path, ("127.0.0.2", 29611), *captured, CLUSTER_JOIN_TIMEOUT="2")
+    try:
+        assert rank.wait(120) == 1, "the lone rank never gave up"
+        log = rank.log()
+        assert "Rank 1 did not join the cluster of 2 nodes within 2 s: its workers waited on " \
+               "tcp://127.0.0.2:29611" in log, log[-3000:]
+        assert "(PRIMARY_ADDR:PRIMARY_PORT) got 'Connection refused'" in log and "ens1" in log
         assert rank.vllm_processes_left() == []
     finally:
         rank.kill()
@@ -255,3 +346,229 @@ def test_rank_0_of_a_plain_pod_serves_vllm_on_its_port_and_ends_with_it(tmp_path
         assert rank.vllm_processes_left() == []
     finally:
         rank.kill()
+
+
+# -- a rank in-process (worker/start/rank.py): its vLLM, its checks and rank 0's vLLM stand in --
+class RankVllm(FakeProcess):
+    """A rank's vLLM that has printed ``tail`` and runs until the test ends it (:meth:`exit`);
+    it records the thread its output was drained in."""
+
+    def __init__(self, launch: Launch, tail: Sequence[str]) -> None:
+        super().__init__(launch, Readiness.HEALTHY, tail)
+        self._exited = asyncio.Event()
+        self._code = 0
+        self.drained_in: str | None = None
+
+    def exit(self, code: int) -> None:
+        self._code = code
+        self._exited.set()
+
+    async def wait_exit(self) -> int:
+        await self._exited.wait()
+        return self._code
+
+    def drain_output(self, timeout: float = 2.0) -> None:
+        self.drained_in = threading.current_thread().name
+
+
+class Hanging:
+    """A check that never answers: once asked it does ``then`` (what the test makes happen
+    meanwhile); it records that it was asked, and cancelled."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self.then = then
+        self.events: list[str] = []
+
+    async def __call__(self, *_: object) -> None:
+        self.events.append("asked")
+        self.then()
+        try:
+            await asyncio.Event().wait()  # never set
+        except asyncio.CancelledError:
+            self.events.append("cancelled")
+            raise
+
+
+class StandInVllm:
+    """Rank 0's vLLM on loopback, for the checks through it: ``/health`` 200, and each
+    ``/v1/completions`` answered with the next of ``answers`` (a status and a JSON body), or,
+    once they ran out, held with no answer by a :class:`Hanging`; it records what it was asked
+    (the body, the Authorization header)."""
+
+    def __init__(self, *answers: tuple[int, object],
+                 then: Callable[[], None] = lambda: None) -> None:
+        self.answers = list(answers)
+        self.held = Hanging(then)
+        self.asked: list[tuple[Any, str | None]] = []
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._completion)
+        # A held answer must not hold the test's end for aiohttp's default minute (0 would be
+        # no limit at all): it is cancelled at the end.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        self.port = 0
+
+    async def __aenter__(self) -> StandInVllm:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _completion(self, request: web.Request) -> web.Response:
+        self.asked.append((await request.json(), request.headers.get("Authorization")))
+        if not self.answers:
+            await self.held()
+        status, body = self.answers.pop(0)
+        return web.json_response(body, status=status)
+
+
+def rank_env(tmp_path: Path, node_rank: int) -> dict[str, str]:
+    """A pod of a cluster of two nodes of one GPU, rank ``node_rank``, serving model ``m``."""
+    return {**RUNPOD, "NODE_RANK": str(node_rank), "NUM_TRAINERS": "1", "WORLD_SIZE": "2",
+            "MODEL_NAME": "m", "HF_HOME": str(tmp_path / "hf")}
+
+
+def cluster_settings(tmp_path: Path, **chosen: Any) -> Settings:
+    """The worker's settings for an in-process rank: checks every 0.01 s unless ``chosen``."""
+    return Settings(**{"base_path": str(tmp_path / "no-volume"), "baked_model_file": NO_BAKED,
+                       "cluster_check_interval": 0.01, **chosen})
+
+
+def in_process_rank(
+    tmp_path: Path, node_rank: int, tail: Sequence[str], *,
+    env: dict[str, str] | None = None,
+    primary_check: Callable[[ClusterPlan], Awaitable[str | None]] = primary_answers,
+    **chosen: Any,
+) -> ClusterRank:
+    """The rank's worker in http mode, as worker/main.py makes it, on a :class:`RankVllm`."""
+    settings = cluster_settings(tmp_path, mode="http", **chosen)
+    env = {**rank_env(tmp_path, node_rank), **(env or {})}
+    builder = (Builder(settings, env, host="0.0.0.0", port=settings.effective_port,
+                       behind_worker=False, catalog_loader=lambda *_: CATALOG) if node_rank == 0
+               else Builder(settings, env, catalog_loader=lambda *_: CATALOG))
+    return ClusterRank(builder, masker=SecretMasker(), spawn=lambda launch: RankVllm(launch, tail),
+                       primary_check=primary_check)
+
+
+def vllm_of(rank: ClusterRank) -> RankVllm:
+    assert isinstance(rank.process, RankVllm), "the rank never spawned its vLLM"
+    return rank.process
+
+
+def sigterm() -> None:
+    """SIGTERM to this process, as the platform sends it: the rank's handler takes it."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_Ended = TypeVar("_Ended")
+
+
+async def ended(run: Awaitable[_Ended], what: str) -> _Ended:
+    """What ``run`` ended with; a run that never ends fails, with ``what`` never ended (the
+    bound is generous: it only keeps a hang from stalling the suite)."""
+    try:
+        return await asyncio.wait_for(run, 120)
+    except TimeoutError:
+        raise AssertionError(f"{what} never ended") from None
+
+
+#: A headless rank's tail at the join timeout (nothing joined), and once serving.
+PHASES = pytest.mark.parametrize("tail", [[], [JOINED, LOADED]],
+                                 ids=["at-the-join-timeout", "while-serving"])
+
+
+@PHASES
+async def test_sigterm_ends_a_rank_at_once_while_its_check_of_the_primary_hangs(
+    tmp_path: Path, tail: list[str]
+) -> None:
+    check = Hanging(then=sigterm)
+    rank = in_process_rank(tmp_path, 1, tail, primary_check=check, port=free_port(),
+                           cluster_join_timeout=1e-6)
+    code = await ended(rank._run(), "the rank")
+    # The check was still waiting when SIGTERM came: the rank ended, and cancelled it first.
+    assert (code, rank.state, check.events) == (0, RankState.STOPPING, ["asked", "cancelled"])
+    assert rank.error == ""
+
+
+@PHASES
+async def test_vllms_exit_ends_a_rank_at_once_while_its_check_of_the_primary_hangs(
+    tmp_path: Path, tail: list[str]
+) -> None:
+    check = Hanging(then=lambda: vllm_of(rank).exit(7))
+    rank = in_process_rank(tmp_path, 1, tail, primary_check=check, port=free_port(),
+                           cluster_join_timeout=1e-6)
+    code = await ended(rank._run(), "the rank")
+    assert (code, rank.state, check.events) == (1, RankState.FAILED, ["asked", "cancelled"])
+    assert rank.error == vllm_of(rank).death_reason(7)
+    assert rank.error.startswith("vLLM exited with code 7")
+    # vLLM's last lines were read to the end off the event loop, in a thread of its own.
+    assert vllm_of(rank).drained_in not in (None, threading.main_thread().name)
+
+
+async def test_sigterm_ends_rank_0_at_once_while_its_check_through_vllm_hangs(
+    tmp_path: Path
+) -> None:
+    async with StandInVllm(then=sigterm) as vllm:
+        rank = in_process_rank(tmp_path, 0, [], env={"VLLM_API_KEY": "sk-rank0"},
+                               port=vllm.port)
+        code = await ended(rank._run(), "rank 0")
+        # Ended while the completion was still held by vLLM: its answer never came.
+        assert (code, rank.state, vllm.held.events) == (0, RankState.STOPPING, ["asked"])
+    [(body, key)] = vllm.asked
+    assert (body["model"], body["max_tokens"], key) == ("m", 1, "Bearer sk-rank0")
+
+
+async def test_rank_0_ends_at_once_when_vllm_refuses_its_checks_key(tmp_path: Path) -> None:
+    async with StandInVllm((401, {"error": "Unauthorized"}), (200, {})) as vllm:
+        rank = in_process_rank(tmp_path, 0, [], port=vllm.port)
+        code = await ended(rank._run(), "rank 0")
+    assert (code, rank.state, len(vllm.asked)) == (1, RankState.FAILED, 1)
+    assert rank.error.startswith(f"Rank 0: {REFUSED} with HTTP 401 (Unauthorized): the check "
+                                 "sends VLLM_API_KEY")
+
+
+async def test_the_load_balancer_gives_the_cluster_up_through_the_same_checks(
+    tmp_path: Path
+) -> None:
+    """worker/lb.py runs rank 0's checks through the loop http mode runs
+    (:func:`worker.start.rank.watch_cluster`): its busy answers count in a row as there."""
+    busy = (503, {"error": {"message": "Request failed; please retry", "code": 503}})
+    async with StandInVllm(busy, (200, {}), *[busy] * MISSES) as vllm:
+        settings = cluster_settings(tmp_path, mode="lb", port=free_port(), vllm_port=vllm.port)
+        builder = Builder(settings, rank_env(tmp_path, 0), catalog_loader=lambda *_: CATALOG)
+        script = Script((Readiness.HEALTHY, []))
+        startup = Startup(builder, masker=SecretMasker(), spawn=script.spawn,
+                          hub_check=no_hub_problem, wait_healthy=script.wait,
+                          gpu_memory=lambda: "no GPU here")
+        lb = LoadBalancerWorker(settings, startup)
+        code = await ended(lb._run(), "the load balancer")
+    assert (code, lb.state, len(vllm.asked)) == (1, State.DEAD, 1 + 1 + MISSES)
+    assert lb._error is not None and lb._error.message == (
+        "Rank 0: the cluster stopped serving: vLLM turned a 1-token completion of 'm' through "
+        "rank 0 away as busy 3 times in a row, the last with HTTP 503 (Request failed; please "
+        "retry) (a rank may be stuck).")
+    assert {key for _, key in vllm.asked} == {None}  # no VLLM_API_KEY behind the worker
+
+
+async def test_rank_0s_checks_run_every_interval_until_given_up(tmp_path: Path) -> None:
+    """The one loop of rank 0's checks, as both modes call it: it sleeps the interval before
+    each check."""
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async with StandInVllm((200, {}), (404, {"detail": "Not Found"})) as vllm:
+        settings = cluster_settings(tmp_path, mode="lb", cluster_check_interval=7.0)
+        launch = Builder(settings, rank_env(tmp_path, 0),
+                         catalog_loader=lambda *_: CATALOG).launch()
+        reason = await ended(watch_cluster(launch, settings, f"http://127.0.0.1:{vllm.port}",
+                                           sleep), "the checks")
+    assert slept == [7.0, 7.0]
+    assert reason.startswith(f"{REFUSED} with HTTP 404 (Not Found)")

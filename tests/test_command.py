@@ -6,6 +6,7 @@ in-memory file system. One test (marked ``vllm``) feeds the result to vLLM's own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from worker.config.command import (
     RETIRED,
     build_command,
 )
+from worker.config.context import ContextFit
 from worker.config.flags import Flag, FlagCatalog, packaged_catalog_path
 from worker.config.names import EARLIER_NAMES, SPECULATIVE_PARTS
 from worker.config.resolved import VllmCommand
@@ -117,6 +119,21 @@ def flags(command: VllmCommand) -> list[str]:
 
 def with_model(**env: str) -> dict[str, str]:
     return {"MODEL_NAME": "org/model", **env}
+
+
+def test_the_workers_flags_go_before_its_host_and_port_wherever_those_are() -> None:
+    """Flags the worker adds later (the context, the revisions, a cluster's) go before its own
+    ``--host H --port P``, found by their values, not by counting from the end."""
+    built = build(with_model(), port=8123)
+    added = built.with_context(ContextFit("auto", "fitted", added=True))
+    assert list(added.argv[-6:]) == ["--max-model-len", "auto", "--host", "127.0.0.1",
+                                     "--port", "8123"]
+    moved = dataclasses.replace(built, argv=(*built.argv[:2], *built.argv[-4:], "org/model"))
+    assert list(moved.with_context(ContextFit("auto", "fitted", added=True)).argv) == [
+        *built.argv[:2], "--max-model-len", "auto", *built.argv[-4:], "org/model"]
+    bare = VllmCommand(("vllm", "serve", "org/model"))
+    assert bare.with_context(ContextFit("auto", "fitted", added=True)).argv == (
+        "vllm", "serve", "org/model", "--max-model-len", "auto")
 
 
 # -- shape ---------------------------------------------------------------------------------

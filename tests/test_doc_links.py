@@ -1,7 +1,7 @@
 """Every relative link and ``#anchor`` of the docs leads somewhere.
 
 The pages are README.md, docs/*.md and the Hub's .runpod/README.md. A link to a file must
-name one of the repository; a link with an anchor (``deploy.md#sizing``, ``#dry-run``) must
+name one of the repository; a link with an anchor (``sizing.md#the-context``, ``#dry-run``) must
 name a heading of its page, by GitHub's rule for anchors: the heading in lower case, its
 punctuation dropped (letters, digits, ``_`` and ``-`` stay), each space a ``-``, and a
 repeated heading numbered (``-1``, ``-2``, ...). Links to other sites are not followed (no

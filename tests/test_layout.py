@@ -81,7 +81,7 @@ def test_the_shared_modules_import_no_stage() -> None:
 
 def test_every_module_is_in_a_stage_or_is_a_mode_or_shared() -> None:
     top = {path.stem for path in WORKER.glob("*.py")}
-    assert top == {"__init__", "__main__", "main", "server", "lb", *SHARED}
+    assert top == {"__init__", "__main__", "main", "queue_worker", "lb", *SHARED}
     assert {path.name for path in WORKER.iterdir() if path.is_dir()
             and path.name != "__pycache__"} == set(STAGES)
 
@@ -92,7 +92,7 @@ def test_the_reader_sees_the_imports_a_wrong_one_would_be() -> None:
         "from worker.model.source import resolve_sources\n"
         "import worker.jobs.handler\n"
         "from worker.start import policy\n"
-        "def later():\n    from worker import server\n"
+        "def later():\n    from worker import queue_worker\n"
     )
     assert {stage_of(module) for module in imports_of(source)} == {
-        "model", "jobs", "start", "server"}
+        "model", "jobs", "start", "queue_worker"}

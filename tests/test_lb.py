@@ -173,7 +173,9 @@ def test_sigterm_lets_streams_finish_then_stops_vllm(start_lb: StartLb) -> None:
     """An order, not a race: three streams held by the stand-in (its /metrics counts them),
     then the SIGTERM, then the streams let go: all three end whole, then the worker exits."""
     vllm_port = free_port()
-    lb = start_lb({"VLLM_PORT": str(vllm_port)})
+    # The whole WORKER_DRAIN_TIMEOUT (30 s) for the drain, not the 4.5 s of the default grace:
+    # the release below comes after the SIGTERM, however late this machine sends it.
+    lb = start_lb({"VLLM_PORT": str(vllm_port), "WORKER_STOP_GRACE": "600"})
     lb.wait_for_status(200, timeout=60)
     results: list[bytes] = []
 

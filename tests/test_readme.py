@@ -29,7 +29,7 @@ from tests import docs
 from tests.conftest import load_script
 from tests.worker_process import base_env
 from worker.config.settings import SETTINGS
-from worker.errors import WorkerError
+from worker.errors import WorkerError, WorkerStopping
 from worker.start.diagnosis.rules import RULES
 
 ROOT = docs.ROOT
@@ -94,6 +94,8 @@ COVERAGE: dict[str, str] = {
         f"{EXAMPLES_TEST}::test_job_examples_print_a_real_answer",
     "python examples/requests_run_status.py":
         f"{EXAMPLES_TEST}::test_job_examples_print_a_real_answer",
+    "python examples/requests_run_status.py examples/first_job.json":
+        f"{EXAMPLES_TEST}::test_the_first_job_file_answers_through_run_and_status",
     "python examples/requests_stream.py":
         f"{EXAMPLES_TEST}::test_stream_example_prints_the_tokens_of_every_piece",
     "python examples/requests_batch.py":
@@ -110,6 +112,13 @@ COVERAGE: dict[str, str] = {
     "Bearer $RUNPOD_API_KEY\" -H 'Content-Type: application/json' -d '{\"model\": "
     "\"Qwen/Qwen3-0.6B\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'":
         "tests/test_e2e_lb.py::test_health_clients_and_the_relayed_stream_then_vllms_death",
+    # A completion through rank 0's port: the cluster's real test, on loopback.
+    "curl -s https://$POD_ID-8000.proxy.runpod.net/v1/chat/completions -H \"Authorization: "
+    "Bearer $VLLM_API_KEY\" -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"meta-llama/Llama-3.1-405B-Instruct\", \"messages\": [{\"role\": \"user\", "
+    "\"content\": \"Hi\"}]}'":
+        "tests/test_e2e_cluster.py::"
+        "test_a_completion_is_answered_through_rank_0_with_tensor_parallelism_across_ranks",
     "MODEL_NAME=Qwen/Qwen3-0.6B .venv/bin/python -m worker --test_input '{\"input\": "
     "{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
         "tests/test_main.py::test_the_docs_test_input_command_answers_on_the_real_vllm",
@@ -208,12 +217,23 @@ def test_dry_run_example_prints_what_the_readme_shows() -> None:
     assert done.stdout == shown
 
 
+#: The errors of worker/errors.py that only a batch line carries (docs/batch.md's table).
+LINE_ONLY_ERRORS: tuple[type[WorkerError], ...] = (WorkerStopping,)
+
+
 def error_types() -> dict[str, type[WorkerError]]:
+    """The types a job's error can have: every error of worker/errors.py but a line's own."""
     found = {}
     for value in vars(worker.errors).values():
         if isinstance(value, type) and issubclass(value, WorkerError) and value is not WorkerError:
             found[value.type] = value
-    return found
+    return {name: kind for name, kind in found.items() if kind not in LINE_ONLY_ERRORS}
+
+
+def test_a_batch_lines_own_errors_are_in_the_batch_pages_table() -> None:
+    table = docs.section(docs.page("batch.md"), "## Results")
+    for kind in LINE_ONLY_ERRORS:
+        assert f"| `{kind.type}` |" in table, kind.type
 
 
 def job_errors_section() -> str:
@@ -440,7 +460,7 @@ def test_the_diagrams_name_the_modes_and_outcomes_of_the_code() -> None:
                     *(kind.type for kind in PrestartFailed.__subclasses__())}
     for word in (*MODES, *start_errors, "WORKER_MODE", "vllm serve", "127.0.0.1"):
         assert word in diagrams, word
-    server = (ROOT / "worker" / "server.py").read_text()
-    assert '"taking jobs' in server and "taking jobs" in diagrams
+    queue_worker = (ROOT / "worker" / "queue_worker.py").read_text()
+    assert '"taking jobs' in queue_worker and "taking jobs" in diagrams
     for route in ("/run", "/runsync", "/openai/v1"):
         assert route in diagrams, route

@@ -43,7 +43,7 @@ def test_stop_ends_the_whole_process_group_even_a_child_ignoring_sigterm(
         time.sleep(0.05)
     assert len(process.tail()) >= 2, f"parent and child never both started: {process.tail()}"
     assert process.pid is not None
-    assert len(group_members(process.pid)) == 2
+    assert len(group_members(process.pid)) == 3  # the parent, its child and the watchdog
     caplog.set_level(logging.INFO, logger="worker.supervisor")
     process.stop(grace=1.0)  # returns once no process of the group is left
     assert group_members(process.pid) == []

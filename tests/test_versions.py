@@ -138,8 +138,7 @@ def test_a_variable_of_a_newer_flag_names_the_running_version_and_those_that_hav
     assert "--kv-offloading-size" not in command.argv
     [line] = [w for w in command.warnings if w.startswith("KV_OFFLOADING_SIZE")]
     assert line == ("KV_OFFLOADING_SIZE is ignored: vLLM 0.27.1 has no --kv-offloading-size "
-                    "(it is a flag of vLLM 0.29.0 and later; docs/deploy.md, 'Choosing a vLLM "
-                    "version')")
+                    "(it is a flag of vLLM 0.29.0 and later; docs/versions.md)")
 
 
 def test_a_retired_flag_known_to_older_versions_keeps_its_advice() -> None:

@@ -55,11 +55,17 @@ def _built(vllm_python: str, name: str, scripts: list[str],
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in paths)).hexdigest()[:12]
     out = CACHE / f"{name}-{digest}"
     if not (out / "config.json").exists():
-        tmp = out.with_name(out.name + ".partial")
+        # A folder of this process's own: scripts/test.sh's sessions may build it at once.
+        tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         subprocess.run([vllm_python, str(paths[0]), str(tmp), *more_args(tmp)],
                        check=True, timeout=600)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # another session's build came first: the same files
     return out
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -50,21 +51,51 @@ def error_lines(log: str, count: int = 3) -> list[str]:
     return found[-count:]
 
 
+#: Where a test's vLLM runs, as the suite's report counts its launches: a worker's on this
+#: machine, the image's in a container (tests/image_bed.py), the README's first command's on
+#: a fresh Debian (tests/test_fresh_machine.py).
+THIS_MACHINE, CONTAINERS, FRESH_MACHINE = ("this machine", "the image's containers",
+                                           "the fresh machine")
+
+
+@dataclass(frozen=True)
+class KeptLog:
+    """A log of the session, with the test that started its process and where a vLLM it
+    launches runs (tests/suite_report.py counts the CPU vLLM's launches by file and place)."""
+
+    path: Path
+    owner: str
+    """The test's node id: pytest's PYTEST_CURRENT_TEST, less its phase ("" outside one)."""
+    place: str = THIS_MACHINE
+    vllm: str | None = None
+    """The CPU vLLM's executable as the log's launch lines name it; None: this machine's
+    (tests/suite_report.py's ``real_vllms``). Any other executable is a stand-in's."""
+
+
 class WorkerProcess:
     """A child process whose output goes to a log file the test can read."""
 
     #: Every log file of the session, for the failure reports (tests/conftest.py).
     log_paths: ClassVar[list[Path]] = []
-    #: Each log file with the test that started its process (tests/suite_report.py tallies
-    #: the vLLM launches per file): pytest's PYTEST_CURRENT_TEST, less its phase.
-    started_by: ClassVar[list[tuple[Path, str]]] = []
+    #: Every log file with the test that started it and where its vLLM runs.
+    kept: ClassVar[list[KeptLog]] = []
+    #: Where this kind of process runs vLLM, and its executable there (see :class:`KeptLog`).
+    place: ClassVar[str] = THIS_MACHINE
+    vllm: ClassVar[str | None] = None
+
+    @staticmethod
+    def keep(log_path: Path, place: str = THIS_MACHINE, vllm: str | None = None) -> None:
+        """Count ``log_path`` among the session's logs: the failure reports show it, and the
+        suite's report counts the launches of the CPU vLLM it holds (a process that is no
+        WorkerProcess, such as the fresh machine's run_local.sh, calls this itself)."""
+        WorkerProcess.log_paths.append(log_path)
+        owner = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        WorkerProcess.kept.append(KeptLog(log_path, owner, place, vllm))
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, log_path: Path,
                  cwd: Path = ROOT) -> None:
         self.log_path = log_path
-        WorkerProcess.log_paths.append(log_path)
-        owner = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
-        WorkerProcess.started_by.append((log_path, owner))
+        WorkerProcess.keep(log_path, self.place, self.vllm)
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             list(argv),

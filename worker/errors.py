@@ -3,6 +3,8 @@
 A job that fails carries ``error`` = the JSON text of ``{"type", "message", "code", ...}``, so
 a client can ``json.loads`` it and branch on ``type``. The same objects are raised inside
 the worker (they are exceptions) and rendered once, at the edge, by :meth:`WorkerError.to_json`.
+A batch line that fails carries one of them too (as its ``code``): those of a job, and
+:class:`WorkerStopping`, a line's alone.
 """
 
 from __future__ import annotations
@@ -107,3 +109,14 @@ class HubUnreachable(PrestartFailed):
     """
 
     type = "hub_unreachable"
+
+
+class WorkerStopping(WorkerError):
+    """A batch line the worker did not finish because it was told to stop (SIGTERM).
+
+    A line's error only (docs/batch.md, the error lines): a job that a SIGTERM stops is the
+    platform's to run again, and fails with none of these.
+    """
+
+    type = "worker_stopping"
+    default_code = 503

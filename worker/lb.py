@@ -17,7 +17,8 @@ its first second and relays every other path to vLLM on loopback, byte for byte:
   platform starts a fresh worker, possibly on another host;
 * vLLM dies after the start → requests in flight end with an error, health turns ``503``,
   exit 1. SIGTERM → no new connections, requests in flight get ``WORKER_DRAIN_TIMEOUT``
-  seconds, then vLLM's process group is stopped; exit 0.
+  seconds (at most what ``WORKER_STOP_GRACE`` leaves), then vLLM's process group is stopped
+  in what is left of it; exit 0.
 
 The start itself is the queue worker's (:mod:`worker.start.startup`): the same command, baked model,
 volume cache, hub pre-flight, relaunch policy and timeline.
@@ -93,14 +94,17 @@ class LoadBalancerWorker:
         self._in_flight = 0
         self._done = asyncio.Event()
         self._exit_code = 0
+        self._signalled_at: float | None = None  # the platform's SIGTERM (monotonic)
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> int:
         try:
             return asyncio.run(self._run())
         finally:
-            if self.startup.process is not None:
-                self.startup.process.stop(grace=15.0 if self._exit_code == 0 else 1.0)
+            if self.startup.process is not None:  # within what WORKER_STOP_GRACE leaves
+                since = 0.0 if self._signalled_at is None else time.monotonic() - self._signalled_at
+                self.startup.process.stop(grace=self.settings.stop.vllm_grace(since)
+                                          if self._exit_code == 0 else 1.0)
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -123,8 +127,8 @@ class LoadBalancerWorker:
         if cluster is not None:
             cluster.cancel()
         if self.state is State.STOPPING:
-            logger.info("draining %d request(s) for up to %.0f s",
-                        self._in_flight, self.settings.drain_timeout)
+            logger.info("draining %d request(s) for up to %g s",
+                        self._in_flight, self.settings.stop.drain)
         for runner in runners:
             await runner.cleanup()
         if self._session is not None:
@@ -146,7 +150,7 @@ class LoadBalancerWorker:
         runners = []
         for app, port in apps:
             runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                   shutdown_timeout=settings.drain_timeout)
+                                   shutdown_timeout=settings.stop.drain)
             await runner.setup()
             await web.TCPSite(runner, "0.0.0.0", port, reuse_address=True).start()
             runners.append(runner)
@@ -187,7 +191,8 @@ class LoadBalancerWorker:
         launch = self.startup.launch
         if launch is None or launch.command.cluster is None:
             return None
-        task = asyncio.create_task(watch_cluster(launch, self.settings, asyncio.sleep))
+        task = asyncio.create_task(
+            watch_cluster(launch, self.settings, self.settings.base_url, asyncio.sleep))
 
         def lost(done: asyncio.Task[str]) -> None:
             if done.cancelled() or self.state is not State.READY:
@@ -202,6 +207,9 @@ class LoadBalancerWorker:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         logger.info("%s: no new requests", sig.name)
+        self._signalled_at = self._signalled_at or time.monotonic()
+        if self.startup.process is not None:  # also a stop under way (a failed attempt's)
+            self.startup.process.stop_by(self._signalled_at + self.settings.stop.vllm_grace(0))
         if self.state is not State.DEAD:
             self.state = State.STOPPING
         self._done.set()

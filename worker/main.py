@@ -2,7 +2,7 @@
 
 Only argument handling, logging and the choice of a mode live here; each mode is a small
 composition of the same parts (:mod:`worker.start.build`, :mod:`worker.start.startup`,
-:mod:`worker.server`):
+:mod:`worker.queue_worker`):
 
 * ``serverless`` — the queue worker on Runpod's job API;
 * ``lb`` — a load-balancing endpoint: vLLM's own API relayed on ``PORT``, health from t=0;
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return LoadBalancerWorker(settings, startup, started_at=started).run()
 
-    from worker.server import QueueWorker
+    from worker.queue_worker import QueueWorker
 
     worker = QueueWorker(settings, startup, started_at=started)
     if test_job is not None:

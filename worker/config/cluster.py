@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from worker.errors import ConfigError
 
-#: The cluster's variables, with what the worker does with each (docs/deploy.md says the same).
+#: The cluster's variables, with what the worker does with each (docs/clusters.md says the same).
 CLUSTER_VARIABLES: Mapping[str, str] = {
     "NUM_NODES": "above 1: this pod is one rank of a multi-node vLLM (--nnodes)",
     "NODE_RANK": "this pod's rank (--node-rank); 0 serves the API, the others run headless",

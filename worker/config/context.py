@@ -17,20 +17,17 @@ serves, so when nobody chose a length, the start lets vLLM fit it:
   context does not fit, the start policy starts it once more at the length vLLM printed
   (:func:`worker.start.policy.decide`).
 
-:func:`fit_context` is pure; its answer travels in the command
-(:attr:`worker.config.resolved.VllmCommand.context`) for the dry run, the start's log and the
-start policy.
+:func:`fit_context` is pure, and reads only what the user set for ``--max-model-len``; its
+answer travels in the command (:attr:`worker.config.resolved.VllmCommand.context`) for the dry
+run, the start's log and the start policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from worker.config.flags import FlagCatalog
-
-if TYPE_CHECKING:  # the command carries a ContextFit: no import at run time
-    from worker.config.resolved import VllmCommand
 
 __all__ = ["AUTO_WORDS", "MAX_MODEL_LEN", "ContextFit", "fit_context"]
 
@@ -65,13 +62,15 @@ class ContextFit:
         return self.how == "auto"
 
 
-def fit_context(command: VllmCommand, catalog: FlagCatalog) -> ContextFit:
-    """How ``command``'s context is chosen with the vLLM of ``catalog``."""
+def fit_context(setting: str | None, value: str | None, catalog: FlagCatalog) -> ContextFit:
+    """How the context is chosen with the vLLM of ``catalog``, given how the user set
+    ``--max-model-len`` (``setting``: ``MAX_MODEL_LEN``, ``--max-model-len in VLLM_EXTRA_ARGS``,
+    ...; None when nobody did) and to what (``value``): the command's
+    :meth:`~worker.config.resolved.VllmCommand.setting_of` and ``value`` of the flag."""
     flag = catalog.get(MAX_MODEL_LEN)
     if flag is None:
         return ContextFit("model", f"vLLM {catalog.version} has no {MAX_MODEL_LEN}: it serves "
                                    "the model's own context")
-    setting, value = command.setting_of(MAX_MODEL_LEN), command.value(MAX_MODEL_LEN)
     if setting is not None and value is not None and value.strip().lower() in AUTO_WORDS:
         return ContextFit("auto", f"{setting} is {value}: vLLM fits the context to the KV cache "
                                   "at start (the model's own, or the longest that fits)")

@@ -160,7 +160,8 @@ class VllmCommand:
         """This command with flags the worker sets (one value each, and on/off ``switches``),
         before its own ``--host``/``--port``, which stay last."""
         args = [arg for flag, value in added.items() for arg in (flag, value)] + list(switches)
-        argv = (*self.argv[:-4], *args, *self.argv[-4:]) if args else self.argv
+        at = self._host_and_port_at()
+        argv = (*self.argv[:at], *args, *self.argv[at:]) if args else self.argv
         flags = {name: setting for name, setting in self.flags.items()
                  if name not in added and name not in switches}
         tail: dict[str, FlagSetting] = {
@@ -170,6 +171,16 @@ class VllmCommand:
         for flag in switches:
             flags[flag] = FlagSetting(FlagSource("worker"), switch=True)
         return replace(self, argv=argv, flags={**flags, **tail})
+
+    def _host_and_port_at(self) -> int:
+        """Where the worker's own ``--host H --port P`` begins in argv, found by its values
+        (:func:`worker.config.command.build_command` puts it last, and no user may set
+        either flag); the end of argv for a command without it."""
+        tail = ("--host", self.value("--host"), "--port", self.value("--port"))
+        for at in range(len(self.argv) - len(tail), -1, -1):
+            if self.argv[at:at + len(tail)] == tail:
+                return at
+        return len(self.argv)
 
     def with_cluster(self, plan: ClusterPlan) -> VllmCommand:
         """This command as ``plan``'s rank of a multi-node vLLM: its flags, the layout the user
@@ -181,6 +192,11 @@ class VllmCommand:
         switches = ("--headless",) if plan.headless else ()
         return replace(self._with_worker_flags(added, switches), cluster=plan,
                        env_overrides={**self.env_overrides, **plan.env()})
+
+    def with_env(self, env: Mapping[str, str], warnings: tuple[str, ...] = ()) -> VllmCommand:
+        """This command with more variables in vLLM's environment and more to tell."""
+        return replace(self, env_overrides={**self.env_overrides, **env},
+                       warnings=self.warnings + warnings)
 
     def with_model_sources(self, sources: ModelSources) -> VllmCommand:
         """This command with what ``sources`` decided: its variables, and the revisions it pins."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker.config.stop import StopBudget, stop_budget
 from worker.config.values import parse_bool
 from worker.errors import ConfigError
 
@@ -210,8 +211,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKER_OOM_RELAUNCH", "oom_relaunch", True, _yes_no,
             "After an out-of-memory start, relaunch vLLM once with ENFORCE_EAGER=true and "
             "MAX_NUM_BATCHED_TOKENS=8192; false fails the start with startup_error instead."),
+    Setting("WORKER_STOP_GRACE", "stop_grace", 10.0, _positive_float,
+            "Seconds the platform gives the worker between its SIGTERM and its SIGKILL: the "
+            "whole stop fits in them ([how](reliability.md#a-stop-within-the-platforms-grace)): "
+            "the drain of the jobs in flight, then vLLM's stop, which gets what is left (at "
+            "most 15 s), and 1 s for the worker's own exit. Runpod documents no figure; 10 is "
+            "`docker stop`'s. Raise it only where the platform waits longer."),
     Setting("WORKER_DRAIN_TIMEOUT", "drain_timeout", 30.0, _non_negative_float,
-            "On SIGTERM, seconds in-flight jobs get to finish before vLLM is stopped.",
+            "On SIGTERM, seconds in-flight jobs (`lb` mode: requests) get to finish before "
+            "vLLM is stopped; at most what WORKER_STOP_GRACE leaves once 1 s for the worker's "
+            "exit and vLLM's share (half the rest, at most 5 s) are set aside: 4.5 s of the "
+            "default 10 s.",
             zero="cancels the jobs in flight at once"),
     Setting("PRESTART_FAILED_WAIT", "prestart_failed_wait", 60.0, _non_negative_float,
             "After an unrecognised start failure, seconds to wait for a job to answer with "
@@ -223,9 +233,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CLUSTER_CHECK_INTERVAL", "cluster_check_interval", 10.0, _positive_float,
             "Instant Clusters: seconds between two checks that the cluster still serves (rank 0 "
             "asks vLLM for a 1-token completion, in which every rank takes part; the other "
-            "ranks check that the primary's port answers). A failed check (an error, or no "
-            "answer within REQUEST_TIMEOUT, at least 60 s) ends the rank with exit 1, so that "
-            "the cluster restarts."),
+            "ranks check that the primary's port answers). A failed check (an error, a refusal, "
+            "or no answer within REQUEST_TIMEOUT, at least 60 s) ends the rank with exit 1, so "
+            "that the cluster restarts; a busy vLLM (HTTP 429 or 503) and a primary that does "
+            "not answer, only three checks in a row."),
     Setting("HUB_CHECK_TIMEOUT", "hub_check_timeout", 15.0, _non_negative_float,
             "Seconds the pre-flight check of the model, tokenizer and LoRA repos on Hugging "
             "Face may take (exists, access, revision); no answer in time only logs a warning.",
@@ -318,6 +329,7 @@ class Settings:
     startup_timeout: float = 1200.0
     oom_relaunch: bool = True
     drain_timeout: float = 30.0
+    stop_grace: float = 10.0
     cluster_join_timeout: float = 300.0
     cluster_check_interval: float = 10.0
     prestart_failed_wait: float = 60.0
@@ -396,6 +408,11 @@ class Settings:
     def base_url(self) -> str:
         """Where vLLM listens; always loopback (checked by the handler)."""
         return self.vllm_base_url.rstrip("/") or f"http://127.0.0.1:{self.vllm_port}"
+
+    @property
+    def stop(self) -> StopBudget:
+        """How a stop shares WORKER_STOP_GRACE: the drain, then vLLM's stop."""
+        return stop_budget(self.stop_grace, self.drain_timeout)
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

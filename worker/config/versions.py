@@ -38,7 +38,7 @@ NEWEST_MINOR = "0.33"
 TESTED = ("0.27.1", "0.32.0")
 RANGE_TEXT = f"{OLDEST} to {NEWEST_MINOR}.x"
 #: Where a user reads what changes between versions.
-GUIDE = "docs/deploy.md, 'Choosing a vLLM version'"
+GUIDE = "docs/versions.md"
 
 _CATALOG_NAME = re.compile(r"vllm-(?P<version>\d[^/]*)\.json")
 

@@ -95,6 +95,10 @@ class BatchRunner:
         self._runs: set[_Run] = set()
         self._drain: float | None = None  # set by a SIGTERM: the lines' share of the drain
 
+    async def aclose(self) -> None:
+        """Close the files' client (its connections to the stores)."""
+        await self._files.aclose()
+
     def drain(self, drain_timeout: float) -> None:
         """SIGTERM: stop sending lines; those in flight get their share of ``drain_timeout``."""
         self._drain = fmt.lines_drain(drain_timeout)

@@ -9,14 +9,16 @@ not followed. A URL's query (a presigned URL's signature) is never quoted
 (:func:`worker.jobs.batch_format.shown`).
 
 Every failure is an :class:`InvalidRequest` naming the field, the URL and what the store or
-server said, so that the job can say why its batch is unusable.
+server said (an S3 error's ``<Code>``, read by the model stage's
+:func:`worker.model.bucket.error_code`, handed in with the signer as :data:`ErrorCode`), so
+that the job can say why its batch is unusable. One HTTP client serves every request of a
+:class:`BatchFiles`, and so keeps its connections for the next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 from collections.abc import Callable
 
@@ -29,10 +31,13 @@ from worker.jobs.batch_format import MAX_FILE_BYTES, FileUrl, shown
 S3Signer = Callable[[str, str, bytes], "tuple[str, dict[str, str]] | str"]
 """(method, ``s3://bucket/key``, body) → the URL and signed headers of that request, or what
 the environment lacks to sign it."""
+ErrorCode = Callable[[bytes], "str | None"]
+"""An answer's body → the code an S3 error document gives (``AccessDenied``), or None."""
 
 logger = logging.getLogger("worker.batch")
 
-_S3_CODE = re.compile(r"<Code>([^<]{1,80})</Code>")
+#: The bytes of a refusal read for its error code: an S3 error document is a few hundred.
+_ERROR_BYTES = 4096
 #: Tries of a write of the results (the batch's work is in them): at once, then 1 and 2 s later.
 WRITE_ATTEMPTS = 3
 
@@ -42,18 +47,29 @@ class _Transient(Exception):
 
 
 class BatchFiles:
-    """Reads and writes batch files; ``sign_s3`` None: ``s3://`` URLs are refused."""
+    """Reads and writes batch files; ``sign_s3`` None: ``s3://`` URLs are refused;
+    ``error_code`` None: a refusal is named by its status alone."""
 
-    def __init__(self, sign_s3: S3Signer | None = None, *,
+    def __init__(self, sign_s3: S3Signer | None = None, *, error_code: ErrorCode | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  timeout: float = 60.0) -> None:
         self._sign_s3 = sign_s3
+        self._error_code = error_code
         self._transport = transport
         self._timeout = timeout
+        self._http: httpx.AsyncClient | None = None
 
     def _client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=self._transport, timeout=self._timeout,
-                                 follow_redirects=False)
+        # Made at the first request: it belongs to the event loop that runs the jobs.
+        if self._http is None:
+            self._http = httpx.AsyncClient(transport=self._transport, timeout=self._timeout,
+                                           follow_redirects=False)
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     def _request(self, method: str, where: FileUrl, body: bytes) -> httpx.Request:
         headers: dict[str, str] = {}
@@ -73,22 +89,21 @@ class BatchFiles:
         """The text of the file at ``source`` (UTF-8), or InvalidRequest saying why not."""
         request = self._request("GET", source, b"")
         try:
-            async with self._client() as client:
-                response = await client.send(request, stream=True)
-                try:
-                    if response.status_code != 200:
-                        await response.aread()
-                        raise self._refused(source, "read", response)
-                    data = bytearray()
-                    async for chunk in response.aiter_bytes():
-                        data += chunk
-                        if len(data) > MAX_FILE_BYTES:
-                            raise InvalidRequest(
-                                f"'{source.field}' {shown(source.url)} is larger than "
-                                f"{MAX_FILE_BYTES >> 20} MiB: split the batch into several "
-                                "jobs.", param=source.field)
-                finally:
-                    await response.aclose()
+            response = await self._client().send(request, stream=True)
+            try:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise self._refused(source, "read", response)
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    if len(data) > MAX_FILE_BYTES:
+                        raise InvalidRequest(
+                            f"'{source.field}' {shown(source.url)} is larger than "
+                            f"{MAX_FILE_BYTES >> 20} MiB: split the batch into several "
+                            "jobs.", param=source.field)
+            finally:
+                await response.aclose()
         except httpx.HTTPError as exc:
             raise self._unreachable(source, exc) from None
         try:
@@ -120,9 +135,7 @@ class BatchFiles:
         except _Transient as exc:
             raise InvalidRequest(str(exc), param=target.field) from None
         try:
-            request = self._request("DELETE", probe, b"")
-            async with self._client() as client:
-                await client.send(request)
+            await self._client().send(self._request("DELETE", probe, b""))
         except (httpx.HTTPError, InvalidRequest) as exc:  # an empty object left: said, no harm
             logger.warning("batch: the empty object written to check %s was not deleted (%s)",
                            shown(target.url), type(exc).__name__)
@@ -134,8 +147,7 @@ class BatchFiles:
             1 << 20) else self._request("PUT", target, data)
         named = shown_as or target  # what a failure names: the user's URL
         try:
-            async with self._client() as client:
-                response = await client.send(request)
+            response = await self._client().send(request)
         except httpx.HTTPError as exc:
             raise _Transient(self._unreachable(named, exc).message) from None
         if response.status_code >= 500:
@@ -143,10 +155,9 @@ class BatchFiles:
         if not 200 <= response.status_code < 300:
             raise self._refused(named, "written", response)
 
-    @staticmethod
-    def _refused(where: FileUrl, doing: str, response: httpx.Response) -> InvalidRequest:
-        code = _S3_CODE.search(response.text[:4096])
-        said = f" ({code[1]})" if code else ""
+    def _refused(self, where: FileUrl, doing: str, response: httpx.Response) -> InvalidRequest:
+        code = self._error_code(response.content[:_ERROR_BYTES]) if self._error_code else None
+        said = f" ({code})" if code else ""
         return InvalidRequest(
             f"'{where.field}' {shown(where.url)} cannot be {doing}: the server answered "
             f"{response.status_code}{said}.", param=where.field)

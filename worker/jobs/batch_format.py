@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from worker.errors import InvalidRequest, VllmError, WorkerError
+from worker.errors import InvalidRequest, VllmError, WorkerError, WorkerStopping
 from worker.jobs.routing import (
     ALLOWED_METHODS,
     BatchPolicy,
@@ -53,13 +53,6 @@ FALLBACK_PIECE = 1000
 #: BATCH_CONCURRENCY's default without MAX_NUM_SEQS: vLLM's own max_num_seqs for its OpenAI
 #: server on most GPUs (vllm/engine/arg_utils.py ``get_batch_defaults``).
 DEFAULT_CONCURRENCY = 256
-
-
-class WorkerStopping(WorkerError):
-    """A line the worker did not finish because it was told to stop (SIGTERM)."""
-
-    type = "worker_stopping"
-    default_code = 503
 
 
 def is_batch(job_input: object) -> bool:
@@ -246,7 +239,8 @@ def _line_request(data: Mapping[str, Any], policy: BatchPolicy) -> VllmRequest:
         raise InvalidRequest("A POST line needs its 'body': the request vLLM gets.",
                              param="body")
     if body is not None and body.get("stream") not in (None, False):
-        raise InvalidRequest("A line is answered whole: leave 'body.stream' out (or false).",
+        raise InvalidRequest("A batch line gets its whole answer at once and cannot stream: "
+                             "leave 'body.stream' out (or false).",
                              param="body.stream")
     return VllmRequest(method, route, body, False, policy)
 

@@ -218,6 +218,7 @@ class Proxy:
         return self._client
 
     async def aclose(self) -> None:
+        await self._batches.aclose()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

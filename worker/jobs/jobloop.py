@@ -197,7 +197,7 @@ class JobLoop:
         if not pending:
             return True
         logger.warning(
-            "%d job(s) still running after %.0f s: cancelling them",
+            "%d job(s) still running after %g s: cancelling them",
             len(pending), self._drain_timeout,
         )
         for task in pending:

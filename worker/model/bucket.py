@@ -13,7 +13,8 @@ start says what is wrong with the bucket.
 
 A batch job's file (``batch_url``, ``output_url``: :mod:`worker.jobs.batch_files`) is one
 object, read (GET) or written (PUT) with the same keys, endpoint and signature:
-:func:`object_request` signs the request and the jobs stage sends it.
+:func:`object_request` signs the request and the jobs stage sends it; :func:`error_code` reads
+what a store that refused it said, as it reads a refused listing.
 """
 
 from __future__ import annotations
@@ -31,12 +32,30 @@ import httpx
 from worker.config.sources import ObjectUri
 from worker.model.object_store import object_store_access
 
-__all__ = ["canonical_query", "list_objects", "object_request", "signed_headers"]
+__all__ = ["canonical_query", "error_code", "list_objects", "object_request", "signed_headers"]
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 #: Pages of 1,000 keys: a model's prefix holds a few dozen files; more is not a model.
 _MAX_PAGES = 10
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``<Code>`` of an S3 error document (``AccessDenied``, ``NoSuchKey``); None when
+    ``body`` is not one (an empty answer, a proxy's HTML page).
+
+    S3 writes its errors without the namespace of its answers
+    (https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html); a store that adds
+    it is read the same.
+    """
+    try:
+        root = ElementTree.fromstring(body)
+    except ElementTree.ParseError:
+        return None
+    if root.tag not in ("Error", f"{_NS}Error"):
+        return None
+    code = (root.findtext("Code") or root.findtext(f"{_NS}Code") or "").strip()
+    return code[:80] or None
 
 
 def _hmac(key: bytes, text: str) -> bytes:
@@ -156,7 +175,9 @@ def list_objects(
                 headers = keys.sign(url, query, "GET", b"", datetime.datetime.now(datetime.UTC))
                 answer = client.get(f"{url}?{canonical_query(query)}", headers=headers)
                 if answer.status_code != 200:
-                    return f"the store answered {answer.status_code} to the listing"
+                    code = error_code(answer.content)
+                    said = f" ({code})" if code else ""
+                    return f"the store answered {answer.status_code}{said} to the listing"
                 page = ElementTree.fromstring(answer.content)
                 for item in page.iter(f"{_NS}Contents"):
                     key, size = item.findtext(f"{_NS}Key"), item.findtext(f"{_NS}Size")

@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from worker.config.catalog import resolve_catalog
 from worker.config.cluster import BACKEND_FLAG, PP_FLAG, TP_FLAG, plan_cluster
 from worker.config.command import build_command
-from worker.config.context import fit_context
+from worker.config.context import MAX_MODEL_LEN, fit_context
 from worker.config.flags import FlagCatalog
 from worker.config.inputs import read_text
+from worker.config.nccl import shm_warning, socket_interface
 from worker.config.resolved import (
     KEEP_ALIVE_VARIABLE,
     PROXY_IDLE_SECONDS,
@@ -35,6 +36,7 @@ from worker.model.cache import CachedRepo, read_cached_repo
 from worker.model.object_store import object_store_access
 from worker.model.source import resolve_sources, runpod_cache_dir
 from worker.model.volume_cache import CacheChoice, choose_cache_root
+from worker.start.host import interface_addresses, shm_bytes
 
 logger = logging.getLogger("worker")
 
@@ -119,6 +121,15 @@ def _keep_connections_open(child: dict[str, str]) -> None:
             VLLM_KEEP_ALIVE_SECONDS)
 
 
+def _size_of(value: str | None) -> int:
+    """A parallel size of the command (1 when unset; vLLM itself names a value that is no
+    number)."""
+    try:
+        return max(int(value or 1), 1)
+    except ValueError:
+        return 1
+
+
 def hub_access(env: Mapping[str, str], read_text: Callable[[str], str] = read_text) -> HubAccess:
     """What ``env`` (vLLM's environment) tells its huggingface_hub: token, endpoint, caches."""
     home = env.get("HF_HOME", "").strip()
@@ -159,7 +170,8 @@ class Builder:
     and ``port`` are where vLLM listens: loopback behind the worker, ``0.0.0.0`` in a plain
     pod (``behind_worker=False``, where vLLM also keeps ``VLLM_API_KEY``). The files read
     (config file, baked model file, token file) go through ``file_exists`` and ``read_text``,
-    the Hugging Face caches through ``read_repo``.
+    the Hugging Face caches through ``read_repo``, the size of /dev/shm through ``shm_size`` and
+    the network interfaces' addresses through ``interfaces`` (:mod:`worker.start.host`).
     """
 
     def __init__(
@@ -174,6 +186,8 @@ class Builder:
         file_exists: Callable[[str], bool] = os.path.exists,
         read_text: Callable[[str], str] = read_text,
         read_repo: Callable[[str, str], CachedRepo | None] = read_cached_repo,
+        shm_size: Callable[[], int | None] = shm_bytes,
+        interfaces: Callable[[], Sequence[tuple[str, str]]] = interface_addresses,
     ) -> None:
         self.settings = settings
         self.env = dict(env)
@@ -185,6 +199,8 @@ class Builder:
         self._file_exists = file_exists
         self._read_text = read_text
         self._read_repo = read_repo
+        self._shm_size = shm_size
+        self._interfaces = interfaces
 
     @property
     def catalog(self) -> FlagCatalog:
@@ -211,8 +227,11 @@ class Builder:
         read: run it off the event loop), and the environment vLLM gets with it."""
         source = self.env if env is None else env
         command = self.command(source)
-        command = command.with_context(fit_context(command, self.catalog))
+        fit = fit_context(command.setting_of(MAX_MODEL_LEN), command.value(MAX_MODEL_LEN),
+                          self.catalog)
+        command = command.with_context(fit)
         command = self._as_cluster_rank(source, command)
+        command = self._for_nccl(source, command)
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
         hub = hub_access(child, self._read_text)
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (
@@ -236,6 +255,20 @@ class Builder:
         plan = plan_cluster(env, {flag: command.value(flag)
                                   for flag in (TP_FLAG, PP_FLAG, BACKEND_FLAG)})
         return command if plan is None else command.with_cluster(plan)
+
+    def _for_nccl(self, env: Mapping[str, str], command: VllmCommand) -> VllmCommand:
+        """``command`` with what NCCL needs of this machine (:mod:`worker.config.nccl`): a warning
+        when /dev/shm is too small for a vLLM over several GPUs or nodes, and on a cluster's
+        node the interface that holds its address as NCCL's and Gloo's (the address vLLM
+        advertises: the user's VLLM_HOST_IP, else NODE_ADDR)."""
+        cluster = command.cluster is not None
+        gpus = _size_of(command.value(TP_FLAG)) * _size_of(command.value(PP_FLAG))
+        address = next((value for name in ("VLLM_HOST_IP", "NODE_ADDR")
+                        if (value := env.get(name, "").strip())), None) if cluster else None
+        interface = socket_interface(address, env,
+                                     self._interfaces() if address is not None else ())
+        warnings = (shm_warning(self._shm_size(), gpus, cluster), interface.warning)
+        return command.with_env(interface.env, tuple(w for w in warnings if w is not None))
 
     def with_volume_cache(self) -> tuple[dict[str, str], CacheChoice]:
         """The worker's environment with vLLM's cache on the network volume when usable.

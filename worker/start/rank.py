@@ -11,12 +11,15 @@ Either way the worker ends the rank, with exit 1 and no vLLM process left, when 
 when the rank did not join within CLUSTER_JOIN_TIMEOUT (explained from torch's lines), or when
 a check says the cluster no longer serves (:mod:`worker.start.cluster`): a vLLM that waits
 for a peer that is gone would otherwise hang. SIGTERM stops this rank's vLLM process group
-and exits 0; the other ranks follow through their checks.
+and exits 0; the other ranks follow through their checks. A check may wait minutes for its
+answer (a completion queued behind a busy vLLM's requests): it runs beside SIGTERM and vLLM's
+exit, which end the rank at once and cancel it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import json
@@ -24,7 +27,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import httpx
 from aiohttp import web
@@ -36,11 +40,14 @@ from worker.errors import ConfigError
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.cluster import (
+    MISSES,
+    Answer,
     RankPhase,
     cluster_check,
     explain_no_join,
     primary_gone,
     rank_phase,
+    vllm_said,
 )
 from worker.start.diagnosis import diagnose
 from worker.start.supervisor import VllmProcess
@@ -80,17 +87,18 @@ async def primary_answers(plan: ClusterPlan) -> str | None:
     return None
 
 
-async def heartbeat(client: httpx.AsyncClient, launch: Launch) -> str | None:
+async def heartbeat(client: httpx.AsyncClient, launch: Launch) -> Answer:
     """One 1-token completion through rank 0's vLLM (``client``'s base URL), in which every
-    rank takes part: why the cluster no longer serves, None while it does."""
+    rank takes part, with the served model's name and the key vLLM is given: its answer."""
     key = launch.env.get("VLLM_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": launch.command.default_model_name, "prompt": "ping", "max_tokens": 1}
     try:
         response = await client.post("/v1/completions", json=body, headers=headers)
     except httpx.HTTPError as exc:
-        return cluster_check(None, f"{type(exc).__name__}: {exc}".rstrip(": "))
-    return cluster_check(response.status_code, None)
+        return Answer(None, f"{type(exc).__name__}: {exc}".rstrip(": "))
+    return Answer(response.status_code,
+                  "" if response.is_success else vllm_said(response.text))
 
 
 def heartbeat_timeout(settings: Settings) -> float:
@@ -100,17 +108,39 @@ def heartbeat_timeout(settings: Settings) -> float:
     return max(CHECK_TIMEOUT, settings.request_timeout)
 
 
-async def watch_cluster(
-    launch: Launch, settings: Settings, sleep: Callable[[float], Awaitable[None]]
+_Seen = TypeVar("_Seen")
+
+
+async def check_until_given_up(
+    check: Callable[[], Awaitable[_Seen]],
+    verdict: Callable[[Sequence[_Seen]], str | None],
+    interval: float,
+    sleep: Callable[[float], Awaitable[None]],
 ) -> str:
-    """Check rank 0's cluster every CLUSTER_CHECK_INTERVAL seconds until a check fails; why."""
-    interval = settings.cluster_check_interval
-    async with httpx.AsyncClient(base_url=settings.base_url, timeout=heartbeat_timeout(settings),
+    """The one loop of every rank's checks: every ``interval`` seconds one ``check``, until
+    ``verdict`` on the latest :data:`~worker.start.cluster.MISSES` answers (oldest first)
+    gives the cluster up; why."""
+    seen: collections.deque[_Seen] = collections.deque(maxlen=MISSES)
+    while True:
+        await sleep(interval)
+        seen.append(await check())
+        if (reason := verdict(tuple(seen))) is not None:
+            return reason
+
+
+async def watch_cluster(
+    launch: Launch, settings: Settings, base_url: str, sleep: Callable[[float], Awaitable[None]]
+) -> str:
+    """Rank 0's checks that the cluster still serves, in http mode (:class:`ClusterRank`) and
+    as the load balancer (:mod:`worker.lb`): a :func:`heartbeat` through the vLLM at
+    ``base_url`` every CLUSTER_CHECK_INTERVAL seconds until :func:`cluster_check` gives the
+    cluster up; why."""
+    model = launch.command.default_model_name
+    async with httpx.AsyncClient(base_url=base_url, timeout=heartbeat_timeout(settings),
                                  trust_env=False) as client:
-        while True:
-            await sleep(interval)
-            if (reason := await heartbeat(client, launch)) is not None:
-                return reason
+        return await check_until_given_up(
+            lambda: heartbeat(client, launch), lambda answers: cluster_check(answers, model),
+            settings.cluster_check_interval, sleep)
 
 
 class ClusterRank:
@@ -132,13 +162,15 @@ class ClusterRank:
         self.state = RankState.STARTING
         self.error = ""
         self.process: VllmProcess | None = None
+        self._url = f"http://127.0.0.1:{self.settings.effective_port}"
+        """Rank 0's vLLM (on 0.0.0.0:PORT), for its health and the checks through it."""
 
     def run(self) -> int:
         try:
             return asyncio.run(self._run())
         finally:
-            if self.process is not None:
-                self.process.stop(grace=self.settings.drain_timeout
+            if self.process is not None:  # SIGTERM: within what WORKER_STOP_GRACE leaves
+                self.process.stop(grace=self.settings.stop.vllm_grace(0.0)
                                   if self.state is RankState.STOPPING else 1.0)
 
     async def _run(self) -> int:
@@ -154,6 +186,8 @@ class ClusterRank:
         plan = launch.command.cluster
         assert plan is not None, "a cluster rank without a cluster plan"
         logger.info("Instant Cluster: %s", plan.describe())
+        for warning in launch.command.warnings:  # as a queue worker's start logs them
+            logger.warning("%s", self._masker.mask(warning))
         runners = await self._listen(plan) if plan.headless else []
         try:
             self.process = self._spawn(launch)
@@ -191,51 +225,75 @@ class ClusterRank:
         return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
     async def _watch(self, launch: Launch, plan: ClusterPlan, stop: asyncio.Event) -> int:
-        """Until SIGTERM (exit 0) or the rank's end (exit 1)."""
+        """Until SIGTERM (exit 0) or the rank's end (exit 1): vLLM's exit, or why the rank's
+        start or checks gave up (:meth:`_life`). The three are awaited side by side, so that
+        SIGTERM and vLLM's exit are acted on at once while a check waits for its answer (up
+        to REQUEST_TIMEOUT); what still waits is cancelled before the rank ends."""
+        assert self.process is not None
+        exited = asyncio.ensure_future(self.process.wait_exit())
+        stopping = asyncio.ensure_future(stop.wait())
+        life = asyncio.ensure_future(self._life(launch, plan))
+        watched = (stopping, exited, life)
+        try:
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in watched:
+                task.cancel()  # a no-op for those done
+            await asyncio.gather(*watched, return_exceptions=True)
+        if stopping in done:
+            logger.info("SIGTERM: stopping this rank's vLLM")
+            self.state = RankState.STOPPING
+            return 0
+        if exited in done:
+            return self._fail(await self._death(launch, exited.result()))
+        return self._fail(life.result())
+
+    async def _life(self, launch: Launch, plan: ClusterPlan) -> str:
+        """Why the rank ends while its vLLM runs: its start gave up, or its checks gave the
+        cluster up once it was ready (a headless rank's of the primary's port, rank 0's
+        through vLLM)."""
+        if (failed := await self._start(plan)) is not None:
+            return failed
+        if plan.headless:
+            async def reached() -> bool:
+                return await self._primary_check(plan) is None
+
+            reason = await check_until_given_up(
+                reached, lambda answers: primary_gone(answers, plan),
+                self.settings.cluster_check_interval, asyncio.sleep)
+        else:
+            reason = await watch_cluster(launch, self.settings, self._url, asyncio.sleep)
+        return f"Rank {plan.rank}: {reason}."
+
+    async def _start(self, plan: ClusterPlan) -> str | None:
+        """Until the rank is ready (None), or why it never will be: it did not join within
+        CLUSTER_JOIN_TIMEOUT, or rank 0's vLLM was not healthy within VLLM_STARTUP_TIMEOUT."""
         assert self.process is not None
         process, settings = self.process, self.settings
-        exited = asyncio.ensure_future(process.wait_exit())
-        stopping = asyncio.ensure_future(stop.wait())
         launched = time.monotonic()
-        phase, answers, next_check = RankPhase.STARTING, list[bool](), 0.0
-        url = f"http://127.0.0.1:{settings.effective_port}"
-        async with httpx.AsyncClient(base_url=url, timeout=heartbeat_timeout(settings),
+        phase = RankPhase.STARTING
+        # vLLM's /health queues behind no request, unlike the completions of the checks: it
+        # needs no more than a check's own timeout, not REQUEST_TIMEOUT.
+        async with httpx.AsyncClient(base_url=self._url, timeout=CHECK_TIMEOUT,
                                      trust_env=False) as client:
             while True:
-                await asyncio.wait({exited, stopping}, timeout=TICK,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if stopping.done():
-                    logger.info("SIGTERM: stopping this rank's vLLM")
-                    self.state = RankState.STOPPING
-                    return 0
-                if exited.done():
-                    return self._fail(self._death(launch, exited.result()))
                 now = time.monotonic()
                 phase = max(phase, rank_phase(process.tail()), key=list(RankPhase).index)
                 if phase is RankPhase.STARTING and now - launched > settings.cluster_join_timeout:
                     reached = await self._primary_check(plan)
-                    return self._fail(explain_no_join(process.tail(), plan,
-                                                      settings.cluster_join_timeout, reached))
-                if self.state is RankState.STARTING:
-                    if not plan.headless and now - launched > settings.startup_timeout:
-                        return self._fail(f"vLLM was not healthy within "
-                                          f"{settings.startup_timeout:g} s (VLLM_STARTUP_TIMEOUT)")
-                    if not await self._ready(plan, phase, client):
-                        continue
-                    self.state = RankState.READY
-                    logger.info("rank %d ready %.1f s after the launch (%s)", plan.rank,
-                                now - launched, "its workers joined and loaded their weights"
-                                if plan.headless else "every rank joined: vLLM is healthy")
-                if now < next_check:
-                    continue
-                next_check = now + settings.cluster_check_interval
-                if plan.headless:
-                    answers.append(await self._primary_check(plan) is None)
-                    reason = primary_gone(answers, plan)
-                else:
-                    reason = await heartbeat(client, launch)
-                if reason is not None:
-                    return self._fail(f"Rank {plan.rank}: {reason}.")
+                    return explain_no_join(process.tail(), plan, settings.cluster_join_timeout,
+                                           reached)
+                if not plan.headless and now - launched > settings.startup_timeout:
+                    return (f"vLLM was not healthy within {settings.startup_timeout:g} s "
+                            "(VLLM_STARTUP_TIMEOUT)")
+                if await self._ready(plan, phase, client):
+                    break
+                await asyncio.sleep(TICK)
+        self.state = RankState.READY
+        logger.info("rank %d ready %.1f s after the launch (%s)", plan.rank,
+                    time.monotonic() - launched, "its workers joined and loaded their weights"
+                    if plan.headless else "every rank joined: vLLM is healthy")
+        return None
 
     @staticmethod
     async def _ready(plan: ClusterPlan, phase: RankPhase, client: httpx.AsyncClient) -> bool:
@@ -248,9 +306,11 @@ class ClusterRank:
         except httpx.HTTPError:
             return False
 
-    def _death(self, launch: Launch, code: int) -> str:
+    async def _death(self, launch: Launch, code: int) -> str:
         assert self.process is not None
-        self.process.drain_output()
+        # vLLM's last lines say why it exited: the pipe is read to its end first, a thread's
+        # join of up to 2 s, off the loop (where the headless rank's health answers).
+        await asyncio.to_thread(self.process.drain_output)
         tail = self.process.tail()
         diagnosis = diagnose(tail, code, launch) if self.state is RankState.STARTING else None
         return diagnosis.message if diagnosis is not None else self.process.death_reason(code)

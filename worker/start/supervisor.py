@@ -12,6 +12,12 @@ In one session the kernel shares the CPUs between the worker's threads and vLLM'
 does inside a container, where the worker runs on Runpod. Output is read
 by a thread (so it keeps flowing whatever event loop runs, or none), echoed with secrets
 masked, and its last lines are kept for the diagnosis of a failed start.
+
+Nothing of vLLM outlives the worker, however the worker ends: its first process gets SIGKILL
+when the thread that started it ends (``PR_SET_PDEATHSIG``), and a watchdog in vLLM's group
+(:mod:`worker.start.watchdog`) kills the whole group once the worker is gone, a SIGKILL of the
+worker alone or of its process group included (issue 46: a worker killed 10 s into its stop
+left vLLM's processes running).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import ctypes
 import enum
 import logging
+import math
 import os
 import re
 import signal
@@ -31,11 +38,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import httpx
 
 from worker.secrets import SecretMasker
+from worker.start.watchdog import IGNORES as WATCHDOG_IGNORES
+from worker.start.watchdog import RELEASE
 
 logger = logging.getLogger("worker.supervisor")
 
@@ -54,11 +64,75 @@ _PHASE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+#: The watchdog, run by its path (:func:`_start_watchdog`).
+_WATCHDOG = str(Path(__file__).with_name("watchdog.py"))
+#: The write ends of the watchdogs' pipes, which only the worker may hold.
+_GUARDS: set[int] = set()
+
+
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the worker dies without stopping us."""
+    """In the child, before exec: get SIGKILL if the worker dies without stopping us.
+
+    The watchdog kills the whole group then; this reaches the first process even before the
+    watchdog has joined the group.
+    """
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _drop_guards_in_child() -> None:
+    """In a child forked without exec (multiprocessing's fork: the SDK's ping process): a
+    watchdog sees the worker's death only once every write end of its pipe is closed, and
+    such a child may outlive the worker."""
+    for fd in tuple(_GUARDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _GUARDS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_guards_in_child)
+
+
+@dataclass
+class _Watchdog:
+    process: subprocess.Popen[bytes]
+    guard: int | None
+    """The write end of its pipe (None once released)."""
+
+
+def _watchdog_env() -> dict[str, str]:
+    """The watchdog's environment: only what the interpreter itself may need to load (a
+    Python linked against a library of its own); nothing secret."""
+    return {name: os.environ[name] for name in ("LD_LIBRARY_PATH",) if name in os.environ}
+
+
+def _start_watchdog(pgid: int) -> _Watchdog:
+    """Start the watchdog in process group ``pgid`` (vLLM's); OSError if it cannot join it.
+
+    The pipe is the kernel's own: its read end goes to the watchdog alone, its write end
+    stays here, inherited by no child (close-on-exec, and :func:`_drop_guards_in_child`).
+    """
+    read_end, write_end = os.pipe()
+    _GUARDS.add(write_end)
+    # A stop's SIGTERM may reach the group before the watchdog's Python could ignore it: it
+    # starts with the signals it ignores blocked (a mask survives fork and exec) and unblocks
+    # them once ignored. The mask is this thread's: a signal for the worker meanwhile goes to
+    # another of its threads, or waits until the mask is restored.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, WATCHDOG_IGNORES)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", _WATCHDOG, str(read_end), str(pgid)],
+            env=_watchdog_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            pass_fds=(read_end,), process_group=pgid)
+    except BaseException:
+        _GUARDS.discard(write_end)
+        os.close(write_end)
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(read_end)
+    return _Watchdog(process, write_end)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -79,6 +153,11 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry))
     return members
+
+
+def _seconds(value: float) -> str:
+    """Seconds for the log, to a tenth: ``1``, ``8.7``."""
+    return f"{round(value, 1):g}"
 
 
 class Readiness(enum.Enum):
@@ -130,11 +209,13 @@ class VllmProcess:
         self._pump: threading.Thread | None = None
         self._lock = threading.Lock()
         self._exit_callbacks: list[Callable[[int], None]] = []
+        self._watchdog: _Watchdog | None = None
+        self._kill_at = math.inf  # when a stop sends SIGKILL at the latest (monotonic)
         self.timeline = StartTimeline()
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        """Launch the child. Call from the main thread (the death signal is per thread)."""
+        """Launch the child, and its watchdog in its group."""
         self.timeline = StartTimeline(launched_at=time.monotonic())
         self._proc = subprocess.Popen(
             self.argv,
@@ -143,9 +224,18 @@ class VllmProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             process_group=0,  # its own group, in the worker's session: see the module's doc
+            # The death signal comes when the starting *thread* ends: from another thread it
+            # would kill vLLM with that thread; the watchdog covers vLLM then.
             preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread()
             else None,
         )
+        try:
+            self._watchdog = _start_watchdog(self._proc.pid)
+        except (OSError, subprocess.SubprocessError) as exc:
+            # A vLLM gone already (a start that fails at once) has no group left to join.
+            if self._proc.poll() is None:
+                logger.warning("vLLM's watchdog did not start (%s): a worker killed before it "
+                               "stops vLLM leaves vLLM's engine running", exc)
         self._pump = threading.Thread(target=self._read_output, name="vllm-output", daemon=True)
         self._pump.start()
         threading.Thread(target=self._watch_exit, name="vllm-exit", daemon=True).start()
@@ -234,35 +324,65 @@ class VllmProcess:
         return f"vLLM exited with code {code} while serving. Last lines:\n" + self.tail_text(1500)
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the whole process group, SIGKILL what is left after ``grace`` seconds.
+        """SIGTERM the whole process group, SIGKILL what is left after ``grace`` seconds (or
+        sooner, by :meth:`stop_by`), then release the watchdog.
 
-        Returns once no process of the group is left, so nothing outlives the worker.
+        Returns once no process of the group is left, so nothing outlives the worker. The
+        watchdog stays on guard until then: a worker killed during its stop takes vLLM along.
         """
         if self._proc is None:
             return
         pgid = self._proc.pid  # process_group=0: the child leads its own group
         began = time.monotonic()
-        if self._group_alive(pgid):
-            logger.info("stopping vLLM (process group %d; SIGKILL after %.0f s)", pgid, grace)
+        self.stop_by(began + grace)
+        if self._vllm_alive(pgid):
+            logger.info("stopping vLLM (process group %d; SIGKILL after %s s)", pgid,
+                        _seconds(max(0.0, self._kill_at - began)))
             self._signal_group(pgid, signal.SIGTERM)
-            deadline = began + grace
-            while self._group_alive(pgid) and time.monotonic() < deadline:
+            while self._vllm_alive(pgid) and time.monotonic() < self._kill_at:
                 time.sleep(0.05)
-            if self._group_alive(pgid):
-                logger.warning("vLLM did not stop within %.0fs: killing its process group", grace)
+            if self._vllm_alive(pgid):
+                logger.warning("vLLM did not stop within %ss: killing its process group",
+                               _seconds(max(0.0, self._kill_at - began)))
                 self._signal_group(pgid, signal.SIGKILL)
-                while self._group_alive(pgid):
+                while self._vllm_alive(pgid):
                     time.sleep(0.05)
+        self._release_watchdog()
         self._proc.wait()
         if self._pump is not None:
             self._pump.join(timeout=2.0)
         logger.info("vLLM stopped: no process of its group left %.1f s after the stop began",
                     time.monotonic() - began)
 
-    def _group_alive(self, pgid: int) -> bool:
+    def stop_by(self, when: float) -> None:
+        """SIGKILL what is left of the group at ``when`` (``time.monotonic()``) at the latest,
+        in a stop under way (in another thread) as in any later one."""
+        self._kill_at = min(self._kill_at, when)
+
+    def _release_watchdog(self) -> None:
+        """Tell the watchdog that no process of vLLM's is left, and wait for its exit."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            return
+        with self._lock:
+            guard, watchdog.guard = watchdog.guard, None
+        if guard is not None:
+            _GUARDS.discard(guard)
+            with contextlib.suppress(OSError):  # a watchdog killed with the group reads nothing
+                os.write(guard, RELEASE)
+            os.close(guard)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watchdog.process.wait(timeout=1.0)  # it exits on the release at once
+        if watchdog.process.poll() is None:  # a machine that stands still: not to wait on
+            watchdog.process.kill()
+            watchdog.process.wait()
+
+    def _vllm_alive(self, pgid: int) -> bool:
+        """Whether a process of vLLM's group is left, the watchdog aside."""
         assert self._proc is not None
         self._proc.poll()  # reap the leader
-        # Reap engine children of the group that were re-parented to us (we may be PID 1).
+        # Reap engine children of the group that were re-parented to us (we may be PID 1),
+        # and the watchdog once it exited.
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
                 pass
@@ -272,7 +392,8 @@ class VllmProcess:
             return False
         except PermissionError:
             return True
-        return bool(group_members(pgid))
+        watchdog = self._watchdog.process.pid if self._watchdog is not None else None
+        return any(pid != watchdog for pid in group_members(pgid))
 
     @staticmethod
     def _signal_group(pgid: int, sig: int) -> None:

@@ -408,8 +408,8 @@ def explain_architecture(
     fix = (
         f"Choose a model whose architecture vLLM supports in {variable} "
         "(https://docs.vllm.ai/en/latest/models/supported_models.html) or a worker image with a "
-        "newer vLLM (the build argument VLLM_VERSION: docs/deploy.md, 'Choosing a vLLM "
-        "version'); if the model ships its own modeling code, "
+        "newer vLLM (the build argument VLLM_VERSION: docs/versions.md); if the model ships "
+        "its own modeling code, "
         f"{_assign('--trust-remote-code', 'true', context)} may let vLLM's Transformers backend "
         "load it."
     )

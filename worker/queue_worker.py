@@ -39,12 +39,14 @@ from worker.jobs.loopwatch import watching
 from worker.jobs.pacer import Pacer
 from worker.jobs.stats import StatsOptions
 from worker.model.adapters import adapter_sources
-from worker.model.bucket import object_request
+from worker.model.bucket import error_code, object_request
 from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker")
 
 _DEATH_DRAIN_TIMEOUT = 1.5
+#: Seconds what is left of vLLM's group gets after vLLM died: it has no server to shut down.
+DEAD_VLLM_GRACE = 1.0
 
 ProxyFactory = Callable[[str | None, BackendFailureProbe], Proxy]
 """A proxy for the served model's default name, with the probe that tells vLLM's death."""
@@ -73,8 +75,8 @@ class QueueWorker:
         self._jobs: JobLoop | None = None
         self._pacer: Pacer | None = None
         self._capacity: Capacity | None = None
-        # Seconds vLLM's group gets between SIGTERM and SIGKILL at our stop.
-        self._stop_grace = 15.0
+        self._signalled_at: float | None = None  # the platform's SIGTERM (monotonic)
+        self._vllm_died = False
 
     def _default_proxy(self, served_model: str | None, probe: BackendFailureProbe) -> Proxy:
         launch = self.startup.launch
@@ -90,14 +92,15 @@ class QueueWorker:
     def _batch_options(self) -> BatchOptions:
         """Batch jobs' lines in flight (BATCH_CONCURRENCY, else vLLM's running batch), and
         their files signed with the AWS_* variables the start read (those vLLM's model
-        streamer gets)."""
+        streamer gets), and a store's refusal read for its S3 error code."""
         launch = self.startup.launch
         # The start read it (MAX_NUM_SEQS, else vLLM's default for the device).
         max_num_seqs = str(self._capacity.max_num_seqs) if self._capacity is not None else (
             launch.command.value("--max-num-seqs") if launch else None)
         sign = functools.partial(object_request, dict(launch.env) if launch else {})
         return BatchOptions(concurrency(self.settings.batch_concurrency, max_num_seqs),
-                            BatchFiles(sign), self.settings.progress_interval)
+                            BatchFiles(sign, error_code=error_code),
+                            self.settings.progress_interval)
 
     def _pacer_of(self, batches: BatchOptions) -> Pacer:
         """How many jobs the worker takes: MAX_CONCURRENCY, or what its vLLM can run."""
@@ -178,8 +181,23 @@ class QueueWorker:
         return {"id": job.get("id"), "status": "COMPLETED", "output": outputs}
 
     def stop_vllm(self) -> None:
+        """Stop vLLM's group within what the platform's grace leaves (WORKER_STOP_GRACE)."""
         if self.startup.process is not None:
-            self.startup.process.stop(grace=self._stop_grace)
+            self.startup.process.stop(grace=self._vllm_grace())
+
+    def _vllm_grace(self) -> float:
+        """Seconds vLLM's group gets between SIGTERM and SIGKILL, were its stop to begin now."""
+        since = 0.0 if self._signalled_at is None else time.monotonic() - self._signalled_at
+        grace = self.settings.stop.vllm_grace(since)
+        return min(grace, DEAD_VLLM_GRACE) if self._vllm_died else grace
+
+    def _signalled(self) -> None:
+        """SIGTERM/SIGINT: the whole stop must end within WORKER_STOP_GRACE of now."""
+        if self._signalled_at is None:
+            self._signalled_at = time.monotonic()
+        process = self.startup.process
+        if process is not None:  # also a stop under way in a thread (a failed attempt's)
+            process.stop_by(self._signalled_at + self.settings.stop.vllm_grace(0.0))
 
     async def _interruptible(
         self, work: Coroutine[Any, Any, StartOutcome]
@@ -187,8 +205,13 @@ class QueueWorker:
         """Run ``work``; SIGTERM/SIGINT cancel it (vLLM is then stopped by the caller)."""
         task = asyncio.ensure_future(work)
         loop = asyncio.get_running_loop()
+
+        def interrupt() -> None:
+            self._signalled()
+            task.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, interrupt)
         try:
             return await task
         except asyncio.CancelledError:
@@ -234,10 +257,14 @@ class QueueWorker:
         self._jobs = jobs
 
         def on_signal(sig: signal.Signals) -> None:
-            logger.info("%s: no new jobs; draining %d in flight", sig.name, jobs.jobs_in_flight)
+            self._signalled()
+            drain = self.settings.stop.drain
+            logger.info("%s: no new jobs; draining %d in flight for up to %g s (of the %g s "
+                        "WORKER_STOP_GRACE)", sig.name, jobs.jobs_in_flight, drain,
+                        self.settings.stop_grace)
             if proxy is not None:
-                proxy.drain(self.settings.drain_timeout)
-            jobs.stop(self.settings.drain_timeout)
+                proxy.drain(drain)
+            jobs.stop(drain)
 
         # The SDK's system checks (GPU test, memory, disk) run once vLLM is up, as they do
         # for a worker that loads its engine before runpod.serverless.start: run during
@@ -317,8 +344,7 @@ class QueueWorker:
         logger.error("%s", reason)
         proxy.mark_backend_dead(reason)
         self._exit_code = 1
-        # What is left of the group (engine processes) has no server to shut down for.
-        self._stop_grace = 1.0
+        self._vllm_died = True
         jobs.stop(_DEATH_DRAIN_TIMEOUT)
 
     async def _vllm_failure(self) -> str | None:

@@ -1,0 +1,54 @@
+"""The worker's stop inside the platform's grace: how the seconds between the SIGTERM and the
+SIGKILL are shared (pure).
+
+A platform stops a container with SIGTERM, then SIGKILL once its grace is over: ``docker
+stop`` after 10 s unless told otherwise (https://docs.docker.com/reference/cli/docker/container/stop/);
+Runpod documents no grace of its own for a serverless worker. What the worker has not done by
+then is not done: a drain of jobs that outlasts the grace loses its jobs unanswered, and a
+stop of vLLM that outlasts it leaves vLLM to the watchdog (:mod:`worker.start.watchdog`).
+So the stop is planned from the SIGTERM on, in ``WORKER_STOP_GRACE`` seconds:
+
+* the jobs (requests) in flight get the drain: ``WORKER_DRAIN_TIMEOUT``, at most what the
+  grace leaves once vLLM's share and the worker's own exit are set aside;
+* vLLM's process group gets, between its SIGTERM and its SIGKILL, whatever the grace has left
+  when its stop begins (at least its share when the drain took all of its time), at most
+  :data:`VLLM_STOP_MAX`;
+* :data:`EXIT_MARGIN` stays for the worker's own exit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Seconds kept for the worker's own exit once vLLM's group is gone (the job API session, the
+#: interpreter's end), and for the SIGTERM's delivery.
+EXIT_MARGIN = 1.0
+#: Seconds set aside for vLLM's stop when the drain takes all of its time: vLLM gives its own
+#: engine processes 5 s between its SIGTERM and their kill (``vllm/v1/utils.py``'s
+#: ``shutdown``, 0.32), so a vLLM that stops as it intends fits. A grace too short for it and
+#: a drain is split in halves.
+VLLM_SHARE = 5.0
+#: Seconds vLLM's group gets at most, however long the grace: a vLLM that hangs in its stop
+#: does not hold the worker beyond what a stop ever took.
+VLLM_STOP_MAX = 15.0
+
+
+@dataclass(frozen=True)
+class StopBudget:
+    """The plan of a stop that must end within ``grace`` seconds of the SIGTERM."""
+
+    grace: float
+    drain: float
+    """Seconds the jobs (requests) in flight get to finish."""
+
+    def vllm_grace(self, elapsed: float) -> float:
+        """Seconds vLLM's group gets between its SIGTERM and its SIGKILL, when its stop begins
+        ``elapsed`` seconds after the worker's SIGTERM (0 for a stop no signal asked for)."""
+        return max(0.0, min(VLLM_STOP_MAX, self.grace - EXIT_MARGIN - elapsed))
+
+
+def stop_budget(grace: float, drain_timeout: float) -> StopBudget:
+    """The stop's plan for a platform grace of ``grace`` seconds and ``WORKER_DRAIN_TIMEOUT``."""
+    usable = max(0.0, grace - EXIT_MARGIN)
+    share = min(VLLM_SHARE, usable / 2)
+    return StopBudget(grace, max(0.0, min(drain_timeout, usable - share)))
