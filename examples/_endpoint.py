@@ -76,7 +76,7 @@ def job_from_argv() -> dict[str, Any]:
 
 
 def check(session: requests.Session, url: str) -> dict[str, Any]:
-    """GET a /status or /stream URL (the SDK's local API only takes POST there)."""
+    """GET a /status or /stream URL (POST, which the platform takes too, where GET is refused)."""
     response = session.get(url, timeout=60)
     if response.status_code == 405:
         response = session.post(url, timeout=600)
@@ -86,7 +86,8 @@ def check(session: requests.Session, url: str) -> dict[str, Any]:
 
 
 def fail_if_error(item: Any) -> None:
-    """Exit with a failed job's error (the SDK's local API reports one as an output item)."""
+    """Exit with the error an output item holds (the runpod SDK's own local API, started with
+    --rp_serve_api, reports a failed job so)."""
     if isinstance(item, dict) and "error" in item:
         # "error" is JSON text: {"type": ..., "message": ..., "code": ...}.
         sys.exit(f"job failed: {item['error']}")

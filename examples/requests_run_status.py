@@ -5,7 +5,7 @@
 
 JOB.json holds {"input": {...}} (default: test_input.json beside this script). BASE_URL
 replaces https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID, e.g. BASE_URL=http://127.0.0.1:8000
-for the worker's local API (there /run only stores the job; /status runs it).
+for the worker's local run (scripts/run_local.sh).
 """
 
 from __future__ import annotations

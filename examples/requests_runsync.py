@@ -5,7 +5,7 @@
 
 JOB.json holds {"input": {...}} (default: test_input.json beside this script). BASE_URL
 replaces https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID, e.g. BASE_URL=http://127.0.0.1:8000
-for the worker's local API (start.sh with WORKER_MODE=local). When /runsync returns before
+for the worker's local run (scripts/run_local.sh). When /runsync returns before
 the job is done (a cold start takes longer than its wait), the job is polled on /status.
 """
 

@@ -7,8 +7,7 @@ Each /stream answer carries the new pieces of output: text holding whole server-
 exactly as vLLM sent them ("data: {...}" lines). This script parses them and prints the
 tokens. JOB.json, if given, must ask for a stream ({"input": {..., "stream": true}}).
 BASE_URL replaces https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID, e.g.
-BASE_URL=http://127.0.0.1:8000 for the worker's local API (which runs the whole job when
-/stream is first called and answers with every piece at once).
+BASE_URL=http://127.0.0.1:8000 for the worker's local run (scripts/run_local.sh).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything and run the worker locally: CPU vLLM serving the tiny test model (or
-# MODEL_NAME), behind the runpod SDK's local API on http://127.0.0.1:${PORT:-8000}.
+# MODEL_NAME), behind Runpod's routes on http://127.0.0.1:${PORT:-8000} (worker/local_api.py):
+# /run, /runsync, /status, /stream, /cancel and /openai/v1, as on an endpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/prerequisites.sh run_local.sh
@@ -26,7 +27,7 @@ export VLLM_EXECUTABLE=${VLLM_EXECUTABLE:-$PWD/.venv-vllm/bin/vllm}
 export WORKER_PYTHON=$PWD/.venv/bin/python
 port=${PORT:-8000}
 cat <<MSG
-Starting the worker; once it says "Uvicorn running on http://127.0.0.1:$port", send a job
+Starting the worker; once it says "local API listening on http://127.0.0.1:$port", send a job
 from another shell:
 
   curl -s http://127.0.0.1:$port/runsync -H 'Content-Type: application/json' \\

@@ -31,6 +31,18 @@ its third attempt). An action is one of
   with ``Connection: close`` (:meth:`FakeJobApi.refuse_connections`).
 
 What each attempt met is kept in :attr:`JobRecord.attempts`.
+
+Payload limits, as Runpod states them: a job-stream POST's body ("a single streamed payload
+chunk") holds at most 1 MB (https://docs.runpod.io/serverless/endpoints/operation-reference,
+/stream), a job's result at most 10 MB for a ``/run`` job and 20 MB for a ``/runsync`` one
+(https://docs.runpod.io/serverless/workers/handler-functions#payload-limits), told apart here
+by the ``sync-`` that begins the platform's ids of ``/runsync`` jobs (the operation reference's
+example answers). A POST over its limit is refused and nothing of it is recorded
+(:attr:`FakeJobApi.oversized`). Which status the platform answers is not documented; workers
+that posted an oversized result report ``400 Bad Request`` on job-done
+(runpod-workers/worker-comfyui#129, runpod/runpod-python#309), so the stand-in answers 400
+(:data:`OVERSIZED_STATUS`), which the SDK, like any status below 500, does not retry. The
+pages do not say whether an MB is 10^6 or 2^20 bytes: the stand-in takes 10^6, the stricter.
 """
 
 from __future__ import annotations
@@ -49,6 +61,21 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+MB = 1_000_000
+#: A job-stream POST's body; a /run job's and a /runsync job's job-done POST (see above).
+STREAM_PIECE_LIMIT = 1 * MB
+RUN_RESULT_LIMIT = 10 * MB
+RUNSYNC_RESULT_LIMIT = 20 * MB
+#: What an oversized POST is answered (undocumented; as workers report it).
+OVERSIZED_STATUS = 400
+
+
+def post_limit(kind: str, job_id: str) -> int:
+    """The most bytes the platform takes in a job-stream or job-done POST of ``job_id``."""
+    if kind == "job-stream":
+        return STREAM_PIECE_LIMIT
+    return RUNSYNC_RESULT_LIMIT if job_id.startswith("sync-") else RUN_RESULT_LIMIT
 
 
 @dataclass
@@ -135,6 +162,8 @@ class FakeJobApi:
         self.stop_hold = stop_hold  # how long a job-stop poll is held (None: hold)
         self.post_delay = 0.0  # seconds each job-stream/job-done POST takes
         self.refuse_posts = 0  # the next N POSTs answer 503 (the SDK retries)
+        # (kind, job id, bytes) of each POST refused for its size (OVERSIZED_STATUS)
+        self.oversized: list[tuple[str, str, int]] = []
         self.faults: dict[str, JobFaults] = {}
         self.refusals: list[tuple[float, float]] = []  # (start, end) of each listener outage
         # Called with (kind, job id, parsed body) for each recorded job-stream and job-done
@@ -531,6 +560,12 @@ class FakeJobApi:
                     return
                 action = api._post_action(segments[0], segments[2])
                 if self._fault_first(action):
+                    return
+                if length > post_limit(segments[0], segments[2]):
+                    with api._cond:
+                        api.oversized.append((segments[0], segments[2], length))
+                        api._cond.notify_all()
+                    self._reply(OVERSIZED_STATUS, {"error": "payload too large"})
                     return
                 try:
                     body = json.loads(raw.decode("utf-8"))

@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.fake_job_api import FakeJobApi
+from tests.fake_job_api import RUN_RESULT_LIMIT, FakeJobApi
 
 _ENDPOINT = "bench"
 
@@ -162,6 +162,10 @@ class FakePlatform:
 
     # -- the queue routes --------------------------------------------------------------
     async def _run_job(self, request: web.Request) -> web.Response:
+        # /run takes 10 MB at most (the operation reference); the status of a refusal is not
+        # documented: 413, as the worker's local run answers.
+        if len(await request.read()) > RUN_RESULT_LIMIT:
+            return web.json_response({"error": "payload too large"}, status=413)
         body = await request.json()
         job_id = self.api.submit(body["input"], job_id=f"run-{next(self._ids)}")
         return web.json_response({"id": job_id, "status": "IN_QUEUE"})

@@ -174,6 +174,21 @@ def test_vllm_version_is_the_tag_as_written(version: str, image: str) -> None:
     assert base_image({"VLLM_VERSION": version}) == image
 
 
+@pytest.mark.parametrize(("build_args", "image"), [
+    ({}, "vllm/vllm-openai:v0.32.0"),  # vLLM's default build: CUDA 13.0
+    ({"VLLM_CUDA": ""}, "vllm/vllm-openai:v0.32.0"),
+    ({"VLLM_CUDA": "cu129"}, "vllm/vllm-openai:v0.32.0-cu129"),
+    ({"VLLM_CUDA": "cu129", "VLLM_VERSION": "v0.27.1"}, "vllm/vllm-openai:v0.27.1-cu129"),
+    ({"VLLM_CUDA": "cu129", "VLLM_VERSION": "latest"}, "vllm/vllm-openai:latest-cu129"),
+    # A whole name is taken as written.
+    ({"VLLM_CUDA": "cu129", "VLLM_IMAGE": "registry.local/vllm:v0.32.0"},
+     "registry.local/vllm:v0.32.0"),
+])
+def test_vllm_cuda_picks_the_build_of_the_tag(build_args: dict[str, str], image: str) -> None:
+    assert args_and_defaults()["VLLM_CUDA"] == ""  # unset: the default stays CUDA 13.0
+    assert base_image(build_args) == image
+
+
 def test_vllm_image_replaces_the_whole_name() -> None:
     assert base_image({"VLLM_IMAGE": "registry.local/vllm:v0.32.0"}) == \
         "registry.local/vllm:v0.32.0"
@@ -181,7 +196,8 @@ def test_vllm_image_replaces_the_whole_name() -> None:
 
 def test_the_substitution_model_follows_the_shell() -> None:
     """expand() agrees with POSIX sh on the forms it takes."""
-    words = ["${V}", "x:${V}", "${V:+v}${V}", "${E:+v}${E}", "${E:-d}", "${V:-d}"]
+    words = ["${V}", "x:${V}", "${V:+v}${V}", "${E:+v}${E}", "${E:-d}", "${V:-d}",
+             "t${V:+-}${V}", "t${E:+-}${E}", "t${U:+-}${U}"]  # U unset: VLLM_CUDA's default
     env = {"V": "0.32.0", "E": ""}
     for word in words:
         shell = subprocess.run(["sh", "-c", f'printf %s "{word}"'], env=env,
@@ -835,6 +851,11 @@ def test_hub_tests_json(catalog: FlagCatalog) -> None:
 VLLM_IMAGES: dict[str, tuple[str, tuple[float, ...]]] = {
     "0.32.0": ("13.0", (7.5, 8.0, 8.6, 8.9, 9.0, 10.0, 11.0, 12.0)),
 }
+#: The CUDA of each build of vLLM's images other than the default, by the Dockerfile's
+#: VLLM_CUDA (the tag's suffix without its "-"): the same in every release of the range, since
+#: CUDA 13.0 became the default (vllm-project/vllm#39878; .buildkite/scripts/
+#: publish-release-images.sh publishes v<version>-cu129 beside each v<version>).
+VLLM_CUDA_BUILDS: dict[str, str] = {"cu129": "12.9"}
 #: The host CUDA versions (the driver's) Runpod's API accepts in allowedCudaVersions, as its
 #: schema listed them in 2026-10. A host runs images of its CUDA version or older.
 RUNPOD_CUDA_VERSIONS = ("11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7",
@@ -853,22 +874,53 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
 
+def hosts_running(cuda: str) -> list[str]:
+    """The host CUDA versions Runpod accepts whose driver runs an image of ``cuda``: the same
+    version and newer."""
+    return [v for v in RUNPOD_CUDA_VERSIONS if _version(v) >= _version(cuda)]
+
+
+def base_cuda(build_args: dict[str, str]) -> str:
+    """The CUDA of the base image these build arguments pick (the pinned VLLM_VERSION's)."""
+    pinned = args_and_defaults()["VLLM_VERSION"].removeprefix("v")
+    assert pinned in VLLM_IMAGES, f"add the CUDA version and GPU archs of vLLM {pinned}'s image"
+    build = build_args.get("VLLM_CUDA", args_and_defaults()["VLLM_CUDA"])
+    return VLLM_CUDA_BUILDS[build] if build else VLLM_IMAGES[pinned][0]
+
+
 def test_hub_listing_fits_the_base_image() -> None:
     """Every host whose driver runs the base image's CUDA, on every pool its kernels support.
 
     A fixed short list kept users of the earlier worker off newer GPUs and drivers
-    (runpod-workers/worker-vllm#251): the lists follow from the pinned vLLM version instead.
+    (runpod-workers/worker-vllm#251): the lists follow from the pinned vLLM version, and the
+    build the Hub makes (the Dockerfile's defaults: VLLM_CUDA unset), instead.
     """
     pinned = args_and_defaults()["VLLM_VERSION"].removeprefix("v")
     assert pinned in VLLM_IMAGES, f"add the CUDA version and GPU archs of vLLM {pinned}'s image"
-    cuda, archs = VLLM_IMAGES[pinned]
+    _, archs = VLLM_IMAGES[pinned]
     config = hub()["config"]
-    expected_cuda = [v for v in RUNPOD_CUDA_VERSIONS if _version(v) >= _version(cuda)]
+    expected_cuda = hosts_running(base_cuda({}))
     assert config["allowedCudaVersions"] == expected_cuda
     assert hub_tests()["config"]["allowedCudaVersions"] == expected_cuda
     expected_pools = [pool for pool, capabilities in RUNPOD_POOLS.items()
                       if all(min(archs) <= c <= max(archs) for c in capabilities)]
     assert config["gpuIds"].split(",") == expected_pools
+
+
+def test_the_docs_allow_the_cuda_versions_each_build_runs_on() -> None:
+    """docs/versions.md's table: each VLLM_CUDA, the base image it picks, and the hosts whose
+    driver runs that image's CUDA; every build of :data:`VLLM_CUDA_BUILDS` and the default."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in docs.page("versions.md").splitlines()
+            if line.startswith(("| unset", "| `cu"))]
+    seen = set()
+    for build_cell, image_cell, allowed_cell in rows:
+        build = "" if build_cell.startswith("unset") else build_cell.strip("`")
+        seen.add(build)
+        assert image_cell == f"`{base_image({'VLLM_CUDA': build})}`", build_cell
+        assert allowed_cell.split(", ") == hosts_running(base_cuda({"VLLM_CUDA": build}))
+    assert seen == {"", *VLLM_CUDA_BUILDS}
+    assert hosts_running(VLLM_CUDA_BUILDS["cu129"]) == ["12.9", "13.0"]
 
 
 def test_an_unknown_variable_would_be_caught(catalog: FlagCatalog) -> None:

@@ -1,17 +1,16 @@
 """The examples (examples/*.py) and the docs' job commands, run for real.
 
 One worker serves the module, started by the README's first command, ``scripts/run_local.sh``
-(``start.sh`` with ``WORKER_MODE=local``): the runpod SDK's local API (on a free port) in front
-of the CPU vLLM serving the tiny model. Its last test stops it as a user would (Ctrl-C).
-Every example that has a route there (the ``requests_*``
-scripts: /run, /runsync, /status, /stream) runs as a subprocess with BASE_URL pointing at it.
+(``start.sh`` with ``WORKER_MODE=local``): Runpod's routes on a free port (worker/local_api.py)
+in front of the worker's job loop and the CPU vLLM serving the tiny model. Its last test stops
+it as a user would (Ctrl-C). The ``requests_*`` scripts (/run, /runsync, /status, /stream) run
+as subprocesses with BASE_URL pointing at it, the OpenAI and Anthropic ones at its /openai/v1.
 
-The SDK's local API has no ``/openai/...`` routes (runpod's rp_fastapi.py defines /run,
-/runsync, /stream/{id}, /status/{id} and nothing else), so the OpenAI and Anthropic examples
-go through the stand-in of the platform's ``/openai/v1`` routes (tests/fake_platform.py: a
-request becomes the job the platform makes, a stream is the job's stream POSTs) over the
-shared queue worker of tests/pooled.py (the real SDK loop over the fake job API, the CPU vLLM
-behind it): the path a client's request takes on an endpoint. The two that need an endpoint's
+The OpenAI and Anthropic examples also go through the stand-in of the platform's
+``/openai/v1`` routes (tests/fake_platform.py: a request becomes the job the platform makes, a
+stream is the job's stream POSTs) over the shared queue worker of tests/pooled.py (the real
+SDK loop over the fake job API, the CPU vLLM behind it): the path a client's request takes on
+an endpoint. The two that need an endpoint's
 settings (a tool-call parser, structured outputs without free whitespace), which the shared
 queue worker must not have (it shows a tool choice without a parser refused), run against the
 vLLM of ``scripts/run_local.sh``, set as docs/requests.md says, at its own ``/v1``.
@@ -60,7 +59,7 @@ EXAMPLES = ROOT / "examples"
 SPEECH_DOC = docs.DOCS / "speech-to-text.md"
 PLATFORM = "https://api.runpod.ai/v2/$RUNPOD_ENDPOINT_ID"
 
-#: Examples with a route on the SDK's local API (BASE_URL = the worker's API).
+#: Examples of the queue routes (BASE_URL = the local run's address).
 LOCAL_API_EXAMPLES = ("requests_runsync", "requests_run_status", "requests_stream")
 #: Examples of the OpenAI-compatible API through the platform's /openai/v1 routes (BASE_URL =
 #: the stand-in platform's, over the shared queue worker).
@@ -87,7 +86,8 @@ BATCH_EXAMPLE = "requests_batch"
 class LocalWorker:
     worker: WorkerProcess
     api_url: str
-    """The SDK's local API: /run, /runsync, /status/{id}, /stream/{id}."""
+    """The local run's routes: /run, /runsync, /status/{id}, /stream/{id}, /cancel/{id},
+    /openai/v1."""
     openai_url: str
     """vLLM's own OpenAI-compatible API (what the platform's /openai/v1 forwards to)."""
     model: str
@@ -102,8 +102,8 @@ class LocalWorker:
 
 
 def start_local(argv: list[str], env: dict[str, str], model: Path, log: Path) -> LocalWorker:
-    """``argv`` (start.sh, or scripts/run_local.sh) in local mode (the SDK's local API) on free
-    ports, once it listens."""
+    """``argv`` (start.sh, or scripts/run_local.sh) in local mode (Runpod's routes on
+    localhost) on free ports, once it listens."""
     vllm_port, api_port = free_port(), free_port()
     env = {
         **env,
@@ -113,8 +113,8 @@ def start_local(argv: list[str], env: dict[str, str], model: Path, log: Path) ->
     }
     worker = WorkerProcess(argv, env, log_path=log)
     try:
-        # uvicorn's own line (run_local.sh's instructions quote its start).
-        worker.wait_for_log(f"Uvicorn running on http://127.0.0.1:{api_port} (Press CTRL+C",
+        # The worker's own line (run_local.sh's instructions quote its start).
+        worker.wait_for_log(f"local API listening on http://127.0.0.1:{api_port}: /run",
                             timeout=300)
     except BaseException:
         worker.kill()
@@ -290,6 +290,19 @@ def test_openai_and_anthropic_examples_through_the_platforms_routes(
 
 
 @pytest.mark.vllm
+def test_openai_and_anthropic_examples_against_the_local_run(local_worker: LocalWorker) -> None:
+    """The same examples, unchanged, at the local run's /openai/v1 (scripts/run_local.sh)."""
+    runs = run_examples(dict.fromkeys(PLATFORM_EXAMPLES, local_worker.api_url + "/openai/v1"))
+    for name in ("openai_chat", "openai_completions", "anthropic_messages"):
+        stdout = _completed(runs[name])
+        assert _generated_tokens(stdout) > 0, name
+        assert stdout.split("\n[")[0].strip(), (name, "no answer text")
+    assert int(re.search(r"chunks=(\d+)", _completed(runs["openai_stream"]))[1]) > 2  # type: ignore[index]
+    assert _completed(runs["openai_models"]).split(), "no model listed"
+    assert _generated_tokens(_completed(runs["openai_responses"])) > 0
+
+
+@pytest.mark.vllm
 def test_openai_stream_example(platform_runs: Runs) -> None:
     stdout = _completed(platform_runs["openai_stream"])
     chunks = int(re.search(r"chunks=(\d+)", stdout)[1])  # type: ignore[index]
@@ -360,7 +373,10 @@ def test_an_example_reports_a_failed_job_as_the_readme_shows(
         "max_tokens": 100000}}}))
     done = run_example("requests_runsync", local_worker.api_url, str(job))
     assert done.returncode == 1, done.stdout
-    error = json.loads(done.stderr.strip().removeprefix("job failed: "))
+    # FAILED, as on an endpoint (the SDK's local API said COMPLETED with the error as output).
+    said, _, error_text = done.stderr.strip().partition(" FAILED: ")
+    assert said.startswith("job sync-"), done.stderr
+    error = json.loads(error_text)
     # The example of docs/errors.md is this very error (the tests serve MAX_MODEL_LEN=512).
     assert error == json.loads(readme_failed["error"])
 
@@ -517,7 +533,7 @@ def test_every_readme_job_input_completes_on_real_vllm(local_worker: LocalWorker
             assert "data: " in "".join(result["output"])
         else:
             assert isinstance(result["output"][0], dict | list), result
-            # The local API reports a failed job as an output item: there must be none.
+            # No error item in an output either (a failed job is FAILED).
             assert "error" not in result["output"][0], (job, result)
 
 

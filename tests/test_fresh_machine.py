@@ -110,9 +110,9 @@ def test_run_local_answers_the_readmes_job_on_a_fresh_debian_12(tmp_path: Path) 
         def said(text: str) -> bool:
             return text in log_path.read_text(errors="replace")
 
-        listening = f"Uvicorn running on http://127.0.0.1:{port}"
-        # uvicorn's own line, not the instructions run_local.sh printed that quote it.
-        wait_until(lambda: said(f"{listening} (Press CTRL+C to quit)") or proc.poll() is not None,
+        listening = f"local API listening on http://127.0.0.1:{port}"
+        # The worker's own line, not the instructions run_local.sh printed that quote it.
+        wait_until(lambda: said(f"{listening}: /run") or proc.poll() is not None,
                    f"scripts/run_local.sh never said {listening!r} on the fresh Debian 12",
                    timeout=2100, poll=1.0)
         output = log_path.read_text(errors="replace")

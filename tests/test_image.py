@@ -354,7 +354,7 @@ def test_local_mode_serves_the_readmes_runsync_call(
                                              "HF_HUB_OFFLINE": "1"},
                                tmp_path / "local.log", mounts=[(tiny_model, MODEL_IN_CONTAINER)])
     try:
-        running.container.wait_for_log("Uvicorn running on", timeout=START_TIMEOUT)
+        running.container.wait_for_log("local API listening on", timeout=START_TIMEOUT)
         command = local_call.replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
         done = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
                               timeout=120, check=True)

@@ -81,7 +81,7 @@ def test_the_shared_modules_import_no_stage() -> None:
 
 def test_every_module_is_in_a_stage_or_is_a_mode_or_shared() -> None:
     top = {path.stem for path in WORKER.glob("*.py")}
-    assert top == {"__init__", "__main__", "main", "queue_worker", "lb", *SHARED}
+    assert top == {"__init__", "__main__", "main", "queue_worker", "lb", "local_api", *SHARED}
     assert {path.name for path in WORKER.iterdir() if path.is_dir()
             and path.name != "__pycache__"} == set(STAGES)
 

@@ -106,6 +106,10 @@ COVERAGE: dict[str, str] = {
         f"{EXAMPLES_TEST}::test_job_examples_print_a_real_answer",
     "BASE_URL=http://127.0.0.1:8000 python examples/requests_stream.py":
         f"{EXAMPLES_TEST}::test_stream_example_prints_the_tokens_of_every_piece",
+    "BASE_URL=http://127.0.0.1:8000/openai/v1 python examples/openai_chat.py":
+        f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_the_local_run",
+    "BASE_URL=http://127.0.0.1:8000/openai/v1 python examples/anthropic_messages.py":
+        f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_the_local_run",
     "python scripts/gen_docs.py": f"{README_TEST}::test_generated_tables_are_current",
     # The load balancer's address is the platform's: the same call goes to the worker's PORT.
     "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/chat/completions -H \"Authorization: "

@@ -120,3 +120,13 @@ class WorkerStopping(WorkerError):
 
     type = "worker_stopping"
     default_code = 503
+
+
+class ResultTooLarge(WorkerError):
+    """The job's result would pass the size Runpod takes for it (:mod:`worker.jobs.payload`).
+
+    ``limit``: that size, in bytes.
+    """
+
+    type = "result_too_large"
+    default_code = 413

@@ -6,7 +6,8 @@ composition of the same parts (:mod:`worker.start.build`, :mod:`worker.start.sta
 
 * ``serverless`` — the queue worker on Runpod's job API;
 * ``lb`` — a load-balancing endpoint: vLLM's own API relayed on ``PORT``, health from t=0;
-* ``local`` — the queue worker behind the runpod SDK's local API on ``PORT``;
+* ``local`` — the queue worker, as ``serverless``, behind Runpod's routes on
+  ``127.0.0.1:PORT`` (:mod:`worker.local_api`);
 * ``http`` — `vllm serve` itself on ``0.0.0.0:PORT`` (a plain pod), same command.
 """
 
@@ -153,14 +154,6 @@ def has_gpu() -> bool:
     return not isinstance(query_gpu_memory(), str)
 
 
-def local_sdk_args(settings: Settings, sdk_args: list[str]) -> list[str]:
-    """The SDK's arguments for local mode: its API on 127.0.0.1:PORT unless told otherwise."""
-    if "--rp_serve_api" in sdk_args:
-        return sdk_args
-    return ["--rp_serve_api", "--rp_api_host", "127.0.0.1", "--rp_api_port",
-            str(settings.effective_port), *sdk_args]
-
-
 def _test_job(job_text: str, output_text: str | None) -> tuple[dict[str, Any], object]:
     """The job of ``--test_input`` and the output of ``--test_output``; ValueError if bad."""
     job = json.loads(job_text)
@@ -175,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m worker",
         description="Run vLLM behind the Runpod Serverless job loop (WORKER_MODE picks how).",
-        epilog="Other arguments (--rp_serve_api, --test_input, ...) go to the runpod SDK.",
+        epilog="In local mode, --rp_api_host and --rp_api_port set the local API's address.",
     )
     parser.add_argument(
         "--dry-run", action="store_true",
@@ -239,4 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker.run_test_job(*test_job)
     if mode == "serverless":
         return worker.run_serverless()
-    return worker.run_local(local_sdk_args(settings, sdk_args))
+    from worker.local_api import LocalApi, local_address
+
+    try:
+        host, port, ignored = local_address(settings.effective_port, sdk_args)
+    except ValueError:
+        print("--rp_api_port: give a port number", file=sys.stderr)
+        return 2
+    if ignored:
+        logger.warning("local mode serves Runpod's routes itself: ignoring %s",
+                       " ".join(ignored))
+    return worker.run_local(LocalApi(host, port))

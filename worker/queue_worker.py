@@ -11,7 +11,8 @@ almost nothing once vLLM is healthy. Outcomes of a start (:mod:`worker.start.sta
   non-zero so the platform retries on a fresh start.
 
 :class:`QueueWorker` receives its parts: the start, and factories for the proxy and the job
-loop. ``run_serverless`` serves Runpod's job API; ``run_local`` the runpod SDK's local API.
+loop. ``run_serverless`` serves Runpod's job API; ``run_local`` the same loop against Runpod's
+routes on localhost (:mod:`worker.local_api`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -38,6 +39,7 @@ from worker.jobs.jobloop import Handler, Job, JobLoop, run_fitness_checks, start
 from worker.jobs.loopwatch import watching
 from worker.jobs.pacer import Pacer
 from worker.jobs.stats import StatsOptions
+from worker.local_api import LocalApi
 from worker.model.adapters import adapter_sources
 from worker.model.bucket import error_code, object_request
 from worker.start.startup import StartOutcome, Startup
@@ -119,26 +121,15 @@ class QueueWorker:
         finally:
             self.stop_vllm()
 
-    def run_local(self, sdk_args: list[str]) -> int:
-        """Start, then the SDK's local API (``--rp_serve_api``) or ``--test_input``."""
+    def run_local(self, api: LocalApi) -> int:
+        """Start, then the same job loop as :meth:`run_serverless`, against Runpod's routes
+        on localhost (:mod:`worker.local_api`) instead of the platform."""
+        api.export(os.environ)  # before the SDK is imported: it reads them then
         try:
             outcome = asyncio.run(self._interruptible(self._prestart()))
             if outcome is None:
                 return 0
-            import runpod
-
-            config: dict[str, Any] = {
-                "handler": self._handler(outcome, self._proxy(outcome)),
-                "return_aggregate_stream": True,
-                # The SDK's local API runs each request it gets at once (no take loop);
-                # --test_input runs one job.
-                "concurrency_modifier": lambda _: self.settings.max_concurrency or 1,
-            }
-            sys.argv = [sys.argv[0], *sdk_args]
-            logger.info("taking jobs through the runpod SDK's local mode (%s)",
-                        " ".join(sdk_args) or "--test_input / default")
-            runpod.serverless.start(config)
-            return 0 if outcome.ready else 1
+            return asyncio.run(self._serve(outcome, local=api))
         finally:
             self.stop_vllm()
 
@@ -246,7 +237,8 @@ class QueueWorker:
         logger.error("start-up failed: %s", outcome.error.message)
         return self._answer_with(outcome.error)
 
-    async def _serve(self, outcome: StartOutcome) -> int:
+    async def _serve(self, outcome: StartOutcome, local: LocalApi | None = None) -> int:
+        """Serve jobs from the platform's job API, or from ``local``'s (local mode)."""
         loop = asyncio.get_running_loop()
         proxy = self._proxy(outcome)
         handler = self._handler(outcome, proxy)
@@ -269,10 +261,13 @@ class QueueWorker:
         # The SDK's system checks (GPU test, memory, disk) run once vLLM is up, as they do
         # for a worker that loads its engine before runpod.serverless.start: run during
         # vLLM's load, a GPU test would disturb vLLM's own measuring of free GPU memory.
-        await run_fitness_checks()
-        # The ping process is forked here: it must inherit the default SIGTERM action, or
-        # the SDK's exit-time terminate() cannot stop it and the worker never exits.
-        start_heartbeat()
+        if local is None:  # the platform's checks of a worker, and its heartbeat
+            await run_fitness_checks()
+            # The ping process is forked here: it must inherit the default SIGTERM action, or
+            # the SDK's exit-time terminate() cannot stop it and the worker never exits.
+            start_heartbeat()
+        else:
+            await local.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         process = self.startup.process
@@ -300,6 +295,8 @@ class QueueWorker:
                     await reading
             if proxy is not None:
                 await proxy.aclose()
+            if local is not None:
+                await local.stop()
         return self._exit_code
 
     def _noting_first_job(self, handler: Handler) -> Handler:

@@ -123,6 +123,23 @@ def _port(text: str) -> int:
 
 
 MODES = ("serverless", "lb", "http", "local")
+#: The modes that run on a Runpod Serverless endpoint, where the platform bounds a cold start.
+ENDPOINT_MODES = ("serverless", "lb")
+
+#: Runpod's variable that bounds a cold start (seconds), and its value when unset: 7 minutes
+#: (https://docs.runpod.io/serverless/development/optimization). The platform's, not the
+#: worker's: the worker only reads it, to warn when a start will pass it.
+INIT_TIMEOUT_VARIABLE = "RUNPOD_INIT_TIMEOUT"
+DEFAULT_INIT_TIMEOUT = 420.0
+
+
+def init_timeout_of(env: Mapping[str, str]) -> float:
+    """RUNPOD_INIT_TIMEOUT in seconds; 420 when unset, or not a number above 0 (the
+    platform's variable is never the worker's reason to fail a start)."""
+    try:
+        return _positive_float(env.get(INIT_TIMEOUT_VARIABLE, "").strip())
+    except ValueError:
+        return DEFAULT_INIT_TIMEOUT
 
 
 def _mode(text: str) -> str:
@@ -163,7 +180,7 @@ SETTINGS: tuple[Setting, ...] = (
             shown_default="serverless on a queue endpoint (Runpod's job environment is "
                           "present), else http"),
     Setting("PORT", "port", None, _port,
-            "Port the worker serves on: vLLM's API in `lb` mode, the SDK's local API in "
+            "Port the worker serves on: vLLM's API in `lb` mode, Runpod's routes on localhost in "
             "`local` mode and `vllm serve` itself in `http` mode.",
             shown_default="80 in `lb` mode (the load balancer's), else 8000"),
     Setting("PORT_HEALTH", "health_port", None, _port,
@@ -207,7 +224,10 @@ SETTINGS: tuple[Setting, ...] = (
                  "job)"),
     Setting("VLLM_STARTUP_TIMEOUT", "startup_timeout", 1200.0, _positive_float,
             "Seconds vLLM may take to become healthy (download and load the model included) "
-            "before the start counts as failed."),
+            "before the start counts as failed. On an endpoint, Runpod also bounds a cold start: "
+            "RUNPOD_INIT_TIMEOUT, 420 s (7 minutes) when unset; a value above it does nothing "
+            "unless RUNPOD_INIT_TIMEOUT is raised too "
+            "([the cold-start limit](model-cache.md#the-platforms-cold-start-limit))."),
     Setting("WORKER_OOM_RELAUNCH", "oom_relaunch", True, _yes_no,
             "After an out-of-memory start, relaunch vLLM once with ENFORCE_EAGER=true and "
             "MAX_NUM_BATCHED_TOKENS=8192; false fails the start with startup_error instead."),
@@ -349,12 +369,15 @@ class Settings:
     baked_model_file: str = "/local_model_args.json"
     queue: bool = False
     """Runpod's job environment is present (``RUNPOD_WEBHOOK_GET_JOB``): a queue endpoint."""
+    init_timeout: float = DEFAULT_INIT_TIMEOUT
+    """Runpod's bound on a cold start, seconds (``RUNPOD_INIT_TIMEOUT``): read, never set."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Parse every setting present in ``env``; an invalid value is a ConfigError."""
         defaults = cls.defaults(env)
-        values: dict[str, Any] = {"queue": defaults.queue}
+        values: dict[str, Any] = {"queue": defaults.queue,
+                                   "init_timeout": defaults.init_timeout}
         for setting in SETTINGS:
             raw = env.get(setting.env, "").strip()
             if not raw or setting.field is None:
@@ -386,12 +409,19 @@ class Settings:
             mode = _mode(env.get("WORKER_MODE", "")) if env.get("WORKER_MODE", "").strip() else ""
         except ValueError:
             mode = ""
-        return cls(queue=bool(env.get("RUNPOD_WEBHOOK_GET_JOB", "").strip()), mode=mode)
+        return cls(queue=bool(env.get("RUNPOD_WEBHOOK_GET_JOB", "").strip()), mode=mode,
+                   init_timeout=init_timeout_of(env))
 
     @property
     def effective_mode(self) -> str:
         """WORKER_MODE, else ``serverless`` on a queue endpoint and ``http`` anywhere else."""
         return self.mode or ("serverless" if self.queue else "http")
+
+    @property
+    def on_endpoint(self) -> bool:
+        """Whether the worker runs on a Serverless endpoint (queue or load balancer), where
+        Runpod's RUNPOD_INIT_TIMEOUT bounds its cold start."""
+        return self.effective_mode in ENDPOINT_MODES
 
     @property
     def effective_port(self) -> int:

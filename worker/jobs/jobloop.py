@@ -27,6 +27,7 @@ from typing import IO, Any
 from worker.jobs import stats, timeline
 from worker.jobs.jobapi import job_api_session
 from worker.jobs.pacer import Pacer
+from worker.jobs.payload import Admitted, ResultBudget
 
 logger = logging.getLogger("worker.jobloop")
 
@@ -52,7 +53,7 @@ class JobLoop:
         self._stats = stats_options or stats.StatsOptions()
         self._scaler = rp_scale.JobScaler(
             {
-                "handler": handler,
+                "handler": within_limits(handler),
                 "concurrency_modifier": self._concurrency_modifier,
                 # /runsync and /status return the list of everything the handler yielded,
                 # as the reference worker-vllm does.
@@ -204,6 +205,35 @@ class JobLoop:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         return False
+
+
+def within_limits(handler: Handler) -> Handler:
+    """``handler`` with its outputs kept within Runpod's payload limits, as the SDK posts them
+    (:mod:`worker.jobs.payload`): text split into pieces below the piece limit; the job failed
+    with ``result_too_large`` instead of posting a result the platform would refuse."""
+
+    async def limited(job: Job) -> AsyncIterator[Any]:
+        budget = ResultBudget.for_job(job.get("id"))
+        outputs = handler(job)
+        try:
+            async for output in outputs:
+                if isinstance(output, dict) and "error" in output:
+                    yield output  # the SDK ends the job with it
+                    return
+                admitted = budget.admit(output)
+                if not isinstance(admitted, Admitted):
+                    logger.warning("job %s failed: %s", job.get("id"), admitted.message)
+                    yield {"error": admitted.to_json()}
+                    return
+                budget = admitted.budget
+                for piece in admitted.pieces:
+                    yield piece
+        finally:
+            close = getattr(outputs, "aclose", None)  # an async generator's: ends its request
+            if close is not None:
+                await close()
+
+    return limited
 
 
 def start_heartbeat() -> None:

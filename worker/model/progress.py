@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,16 +211,22 @@ class StartProgress:
         return {"phase": self.phase,
                 "downloads": [status.as_dict() for status in self.downloads()]}
 
-    async def report(self, interval: float) -> None:
+    async def report(
+        self, interval: float, watch: Callable[[Sequence[DownloadStatus]], None] | None = None
+    ) -> None:
         """Log a line every ``interval`` seconds while a download is under way (a download of
-        unknown size: while it grows), and one when each finishes. Runs until cancelled."""
+        unknown size: while it grows), and one when each finishes; then hand the reading of every
+        download to ``watch``. Runs until cancelled."""
         announced: set[str] = set()
         while True:
-            for status in self.sample():
+            statuses = self.sample()
+            for status in statuses:
                 if status.complete:
                     if status.repo not in announced:
                         announced.add(status.repo)
                         logger.info("startup: downloaded %s", status.describe())
                 elif status.total is not None or status.rate:
                     logger.info("startup: downloading %s", status.describe())
+            if watch is not None:
+                watch(statuses)
             await asyncio.sleep(interval)

@@ -34,13 +34,14 @@ from worker.model.bucket import list_objects
 from worker.model.messages import HubMessage
 from worker.model.prefetch import Download, Prefetch, downloads_of
 from worker.model.preflight import PreflightResult, preflight
-from worker.model.progress import StartProgress
+from worker.model.progress import DownloadStatus, StartProgress
 from worker.model.weights import model_weights
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.diagnosis import diagnose
 from worker.start.fit import WeightCheck, check_weights, context_line, fitted_context
 from worker.start.gpus import query_gpu_memory
+from worker.start.init_limit import init_timeout_warning
 from worker.start.policy import (
     Attempt,
     Decision,
@@ -136,6 +137,8 @@ class Startup:
         self._downloading: set[str] = set()
         self._gpus: Sequence[int] | str | None = None  # nvidia-smi's answer, once asked
         self._reporter: asyncio.Task[None] | None = None
+        self._began: float | None = None  # when run() began (the clock's reading)
+        self._init_warned = False  # the cold-start limit's line, once per start
         self.process: VllmProcess | None = None
         """The vLLM of the latest attempt (stopped by the runner at the end)."""
         self.launch: Launch | None = None
@@ -145,6 +148,7 @@ class Startup:
 
     async def run(self) -> StartOutcome:
         """Start vLLM until it is healthy or the policy gives up; never raises a WorkerError."""
+        self._began = self._clock()
         if self._settings_error is not None:
             return StartOutcome(self._settings_error)
         env, cache = await asyncio.to_thread(self.builder.with_volume_cache)
@@ -308,8 +312,32 @@ class Startup:
             self.progress.follow(meters)
             if self._reporter is None:
                 self._reporter = asyncio.create_task(
-                    self.progress.report(self.settings.progress_interval), name="progress")
+                    self.progress.report(self.settings.progress_interval,
+                                         self._watch_init_limit), name="progress")
         return result
+
+    def _watch_init_limit(self, statuses: Sequence[DownloadStatus]) -> None:
+        """On an endpoint, warn once per start when the downloads (those of a known size)
+        will likely carry the start past Runpod's RUNPOD_INIT_TIMEOUT
+        (:mod:`worker.start.init_limit`)."""
+        if self._init_warned or self._began is None or not self.settings.on_endpoint:
+            return
+        sized = [status for status in statuses if status.total is not None]
+        try:
+            rates = [status.rate for status in sized if not status.complete]
+            line = init_timeout_warning(
+                sum(status.done for status in sized),
+                sum(status.total or 0 for status in sized),
+                None if None in rates else sum(rate or 0.0 for rate in rates),
+                self._clock() - self._began, self.settings.init_timeout,
+                startup_timeout=self.settings.startup_timeout)
+        except Exception as exc:  # a bug here must never stop the progress lines or the start
+            self._init_warned = True
+            logger.warning("cold-start limit check skipped: %s", exc)
+            return
+        if line is not None:
+            self._init_warned = True
+            logger.warning("%s", line)
 
     async def _check_weights(self, launch: Launch, result: PreflightResult) -> HubMessage | None:
         """The weights against the GPUs (:func:`worker.start.fit.check_weights`): the problem
