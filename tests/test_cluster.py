@@ -444,14 +444,17 @@ def in_process_rank(
     tmp_path: Path, node_rank: int, tail: Sequence[str], *,
     env: dict[str, str] | None = None,
     primary_check: Callable[[ClusterPlan], Awaitable[str | None]] = primary_answers,
+    shm_size: Callable[[], int | None] = lambda: None,
     **chosen: Any,
 ) -> ClusterRank:
-    """The rank's worker in http mode, as worker/main.py makes it, on a :class:`RankVllm`."""
+    """The rank's worker in http mode, as worker/main.py makes it, on a :class:`RankVllm`;
+    ``shm_size``: what the machine's /dev/shm holds (None: not known)."""
     settings = cluster_settings(tmp_path, mode="http", **chosen)
     env = {**rank_env(tmp_path, node_rank), **(env or {})}
     builder = (Builder(settings, env, host="0.0.0.0", port=settings.effective_port,
-                       behind_worker=False, catalog_loader=lambda *_: CATALOG) if node_rank == 0
-               else Builder(settings, env, catalog_loader=lambda *_: CATALOG))
+                       behind_worker=False, catalog_loader=lambda *_: CATALOG,
+                       shm_size=shm_size) if node_rank == 0
+               else Builder(settings, env, catalog_loader=lambda *_: CATALOG, shm_size=shm_size))
     return ClusterRank(builder, masker=SecretMasker(), spawn=lambda launch: RankVllm(launch, tail),
                        primary_check=primary_check)
 
@@ -509,6 +512,21 @@ async def test_vllms_exit_ends_a_rank_at_once_while_its_check_of_the_primary_han
     assert rank.error.startswith("vLLM exited with code 7")
     # vLLM's last lines were read to the end off the event loop, in a thread of its own.
     assert vllm_of(rank).drained_in not in (None, threading.main_thread().name)
+
+
+async def test_a_rank_logs_its_commands_warnings_as_a_queue_worker_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cluster's /dev/shm below what NCCL needs is said at the rank's start (a warning of
+    its command, worker/config/nccl.py), before its vLLM runs."""
+    check = Hanging(then=sigterm)
+    rank = in_process_rank(tmp_path, 1, [], primary_check=check, port=free_port(),
+                           cluster_join_timeout=1e-6, shm_size=lambda: 64 * 10**6)
+    with caplog.at_level("WARNING", logger="worker.rank"):
+        assert await ended(rank._run(), "the rank") == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "worker.rank"]
+    assert any(w.startswith("/dev/shm holds 64 MB, and vLLM spans 2 GPUs over the nodes of a "
+                            "cluster") for w in warnings), warnings
 
 
 async def test_sigterm_ends_rank_0_at_once_while_its_check_through_vllm_hangs(
