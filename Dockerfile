@@ -54,6 +54,17 @@ RUN set -f; missing="$(python3 /opt/worker-src/scripts/image_runai_requirements.
        fi \
     && python3 -c "import runai_model_streamer, runai_model_streamer_s3"
 
+# -- adapters from a bucket (LORA_ADAPTERS_URI=s3://bucket/prefix) ---------------------------
+# A LoRA resolver that vLLM loads as a general plugin (lora_bucket_resolver), as it loads its
+# own folder and Hub resolvers: copied beside the image's vLLM with its entry point by the
+# script (no build, no download; it needs only the standard library and boto3, which the
+# runai extra above brings). It does nothing unless LORA_ADAPTERS_URI is set (docs/adapters.md).
+COPY plugin /opt/worker-src/plugin
+COPY scripts/install_adapter_plugin.py /opt/worker-src/scripts/install_adapter_plugin.py
+RUN python3 /opt/worker-src/scripts/install_adapter_plugin.py \
+    && python3 -c "import importlib.metadata as m, boto3; \
+assert 'lora_bucket_resolver' in {e.name for e in m.entry_points(group='vllm.general_plugins')}"
+
 # The catalog of `vllm serve` flags, dumped by the image's own vLLM (its python3), so that
 # every flag of this vLLM maps from the environment and the worker never imports vLLM.
 # VLLM_TARGET_DEVICE=cpu: a build has no GPU, and without it vLLM cannot infer a device and

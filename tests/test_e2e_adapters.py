@@ -2,8 +2,9 @@
 
 One queue worker serves the tiny model with both of vLLM's LoRA resolvers on, as
 docs/adapters.md sets them up: a folder on the "volume" and the loopback Hub
-(tests/fake_hub.py, every request recorded) with an allow-list. The model is a Hub repo cached
-on the volume, as a worker after the first finds it. It checks what a job naming an
+(tests/fake_hub.py, every request recorded) with an allow-list; and the worker's own resolver
+of a bucket (LORA_ADAPTERS_URI) in the loopback S3 store (tests/fake_s3.py). The model is a
+Hub repo cached on the volume, as a worker after the first finds it. It checks what a job naming an
 adapter gets (served, or an error saying what happened and how to fix it), what is downloaded
 and cached where, and how many adapters vLLM keeps loaded (MAX_LORAS, MAX_CPU_LORAS). A
 worker in lb mode on the same volume shows what a client gets there: vLLM's own answers.
@@ -29,6 +30,7 @@ import pytest
 from tests.conftest import free_port
 from tests.fake_hub import FakeHub, read_folder
 from tests.fake_job_api import FakeJobApi
+from tests.fake_s3 import SECRET_ACCESS_KEY, FakeS3, fake_s3
 from tests.hf_cache import write_snapshot
 from tests.lb_worker import LbWorker, start_lb_worker
 from tests.serving import Serving, start_serving
@@ -43,6 +45,7 @@ SERVED = "tiny"
 MODEL_REPO = "acme/tiny"
 HUB_TOKEN = "hf_TokenOfThePrivateAdapterRepo5521"
 TARGETS = ("q_proj", "v_proj")
+BUCKET = "tuned"
 
 
 def lora_files(model: Path, *, seed: int, rank: int = 8, scale: float = 0.1,
@@ -90,6 +93,8 @@ class Volume:
     env: dict[str, str]
     loras: Path
     hub_cache: Path
+    s3: FakeS3
+    fetched: Path  # where the bucket's adapters are fetched (LORA_ADAPTERS_DIR)
 
 
 @dataclass
@@ -176,7 +181,16 @@ def volume(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
     hub.add("acme/multi", {f"sql/{n}": d for n, d in lora_files(tiny_model, seed=5).items()}
             | {f"chat/{n}": d for n, d in lora_files(tiny_model, seed=6).items()})
     hub.add("acme/private-lora", lora_files(tiny_model, seed=8), gated=True, token=HUB_TOKEN)
-    with hub:
+    with hub, fake_s3() as s3:
+        s3.client().create_bucket(Bucket=BUCKET)
+        for name, files in (("from-bucket", lora_files(tiny_model, seed=20)),
+                            ("from-bucket-2", lora_files(tiny_model, seed=23)),
+                            ("sql", lora_files(tiny_model, seed=22)),  # the folder's wins
+                            ("bucket-other-base", lora_files(tiny_model, seed=21,
+                                                             base="org/another-model"))):
+            for file, data in files.items():
+                s3.client().put_object(Bucket=BUCKET, Key=f"adapters/{name}/{file}", Body=data)
+        fetched = volume / "lora-adapters"
         env = {
             **tiny_env,
             "MODEL_NAME": MODEL_REPO, "HF_HUB_OFFLINE": "", "HF_ENDPOINT": hub.url,
@@ -188,8 +202,13 @@ def volume(tiny_env: dict[str, str], tiny_model: Path, tiny_lora: Path,
             "VLLM_LORA_RESOLVER_HF_REPO_LIST": "acme/tiny-lora,acme/multi,acme/missing,"
                                                "acme/private-lora",
             "HF_TOKEN": HUB_TOKEN,
+            # Adapters from the bucket: the variables a user sets (and where they go).
+            **s3.env(LORA_ADAPTERS_URI=f"s3://{BUCKET}/adapters",
+                     LORA_ADAPTERS_DIR=str(fetched),
+                     # About 54 kB: one of these adapters (34 kB) fits, two do not.
+                     LORA_ADAPTERS_DISK_GIB="0.00005"),
         }
-        yield Volume(hub, env, loras, hub_cache)
+        yield Volume(hub, env, loras, hub_cache, s3, fetched)
 
 
 pooled("bed", "adapters")
@@ -215,7 +234,8 @@ def test_an_adapter_in_the_folder_is_served_under_its_name(bed: Bed) -> None:
     assert models["sql"]["parent"] == SERVED
     log = bed.worker.log()
     assert (f"adapters named by jobs are looked up in the folder {bed.loras} "
-            "(VLLM_LORA_RESOLVER_CACHE_DIR) and the Hub repos acme/tiny-lora, acme/multi, "
+            f"(VLLM_LORA_RESOLVER_CACHE_DIR) and the bucket s3://{BUCKET}/adapters/<name>/ "
+            "(LORA_ADAPTERS_URI) and the Hub repos acme/tiny-lora, acme/multi, "
             "acme/missing, acme/private-lora (VLLM_LORA_RESOLVER_HF_REPO_LIST)") in log
     assert "please note that allowing remote downloads is not secure" in log  # vLLM's warning
     # vLLM joins the name onto the folder: the folder is no boundary.
@@ -276,7 +296,9 @@ def test_a_repo_outside_the_allow_list_is_never_asked(bed: Bed) -> None:
     assert error["type"] == "vllm_error" and error["code"] == 404
     assert error["message"].startswith(
         "No model or adapter named 'evil/lora' is served here, and vLLM's resolvers found none: "
-        f"there is no {bed.loras / 'evil/lora'}; 'evil/lora' is in none of the Hub repos "
+        f"there is no {bed.loras / 'evil/lora'}; the bucket s3://{BUCKET}/adapters was not "
+        "asked: 'evil/lora' is not a plain name (it has a '/'); 'evil/lora' is in none of the "
+        "Hub repos "
         "VLLM_LORA_RESOLVER_HF_REPO_LIST allows (acme/tiny-lora, acme/multi, acme/missing, "
         "acme/private-lora)")
     assert error["vllm"]["message"] == ("The model `evil/lora` does not exist. Valid aliases: "
@@ -291,6 +313,7 @@ def test_a_missing_adapter_is_told_where_the_worker_looked(bed: Bed) -> None:
     assert f"there is no {bed.loras / 'nope'}" in message
     assert f"This worker serves {SERVED}." in message
     assert f"Fix: put the adapter in {bed.loras / 'nope'}" in message
+    assert f"the bucket has no s3://{BUCKET}/adapters/nope/adapter_config.json" in message
     # An allowed repo's folder that holds no adapter.
     assert "the allowed repo acme/multi has no adapter in 'nope'" in bed.error(
         {"prompt": "Hi", "model": "acme/multi/nope"})["message"]
@@ -323,6 +346,64 @@ def test_an_adapter_above_max_lora_rank_is_found_but_not_loaded(bed: Bed) -> Non
         f"rank (r=32 in {bed.loras / 'big' / 'adapter_config.json'}) is above MAX_LORA_RANK "
         "(16): set MAX_LORA_RANK=32 or more.")
     assert "LoRA rank 32 is greater than max_lora_rank 16" in bed.worker.log()  # vLLM's default
+
+
+def test_an_adapter_in_the_bucket_is_fetched_once_and_served(bed: Bed) -> None:
+    """A name vLLM does not know, neither in the folder nor a Hub name: vLLM asks the bucket's
+    resolver, which fetches it whole into LORA_ADAPTERS_DIR; vLLM loads it from there."""
+    launching = next(line for line in bed.worker.log().splitlines() if "launching:" in line)
+    assert SECRET_ACCESS_KEY not in launching
+    read = bed.volume.s3.bytes_read
+    assert bed.completion("from-bucket")["model"] == "from-bucket"
+    fetched = bed.volume.fetched / BUCKET / "adapters" / "from-bucket"
+    assert sorted(p.name for p in fetched.iterdir()) == [
+        ".lora-bucket.json", "adapter_config.json", "adapter_model.safetensors"]
+    assert bed.volume.s3.bytes_read - read >= (fetched / "adapter_model.safetensors").stat(
+        ).st_size
+    models = {m["id"]: m for m in answer(bed.api, {"route": "/v1/models"})["data"]}
+    assert models["from-bucket"]["root"] == str(fetched)
+    assert not same(bed.logprobs("from-bucket"), bed.logprobs(SERVED))  # its weights serve
+    read = bed.volume.s3.bytes_read
+    assert bed.completion("from-bucket")["model"] == "from-bucket"
+    assert bed.volume.s3.bytes_read == read  # once resolved, the bucket is not asked again
+    assert f"LoRA adapter 'from-bucket' fetched from s3://{BUCKET}/adapters/from-bucket/" in \
+        bed.worker.log()
+    # The folder is asked before the bucket: its "sql" is served, the bucket's never fetched.
+    assert bed.completion("sql")["model"] == "sql"
+    assert not (bed.volume.fetched / BUCKET / "adapters" / "sql").exists()
+
+
+def test_under_the_disk_bound_an_adapter_is_unloaded_from_vllm_before_its_files_go(
+    bed: Bed,
+) -> None:
+    """LORA_ADAPTERS_DISK_GIB holds one of these adapters: fetching a second evicts the least
+    recently used, taken out of vLLM first; named again, it is fetched and served again."""
+    root = bed.volume.fetched / BUCKET / "adapters"
+    assert bed.completion("from-bucket")["model"] == "from-bucket"
+    assert bed.completion("from-bucket-2")["model"] == "from-bucket-2"
+    assert not (root / "from-bucket").exists() and (root / "from-bucket-2").is_dir()
+    served = {m["id"] for m in answer(bed.api, {"route": "/v1/models"})["data"]}
+    assert "from-bucket-2" in served and "from-bucket" not in served  # unloaded from vLLM
+    assert (f"LoRA adapters evicted from {root} to make room for 'from-bucket-2': "
+            "from-bucket") in bed.worker.log()
+    read = bed.volume.s3.bytes_read
+    assert bed.completion("from-bucket")["model"] == "from-bucket"
+    assert bed.volume.s3.bytes_read > read and (root / "from-bucket").is_dir()
+    assert not (root / "from-bucket-2").exists()
+
+
+def test_an_adapter_of_another_base_model_in_the_bucket_is_told_why(bed: Bed) -> None:
+    error = bed.error({"prompt": "Hi", "model": "bucket-other-base"})
+    assert error["type"] == "vllm_error" and error["code"] == 500  # vLLM's, for a resolver's
+    assert error["message"] == (
+        f"The adapter 'bucket-other-base' in s3://{BUCKET}/adapters cannot be served: its "
+        "adapter_config.json names the base model 'org/another-model' "
+        "(base_model_name_or_path), and vLLM takes an adapter "
+        f"only for the model it serves, named exactly as --model names it: '{MODEL_REPO}'. "
+        f"Fix: if the adapter was trained on this model, set its base_model_name_or_path to "
+        f"'{MODEL_REPO}'.")
+    assert "AKIA" not in json.dumps(error)
+    assert not (bed.volume.fetched / BUCKET / "adapters" / "bucket-other-base").exists()
 
 
 # -- how many stay loaded ----------------------------------------------------------------------
@@ -487,6 +568,27 @@ def test_in_lb_mode_a_client_gets_vllms_own_answers(volume: Volume, lb: LbBed) -
         assert [r.path for r in asked if r.method == "GET" and "/resolve/" in r.path] == []
     assert ("adapters named by jobs are looked up, but LoRA is off in vLLM: set "
             "ENABLE_LORA=true") in worker.worker.log()
+
+
+def test_in_lb_mode_vllm_asks_the_bucket_itself(volume: Volume, lb: LbBed) -> None:
+    """The relay parses no body: vLLM's own resolver fetches the adapter, and the client gets
+    vLLM's answers (here LoRA is off: found, not loaded; another base model: the resolver's
+    500)."""
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        def send(model: str) -> httpx.Response:
+            return client.post(f"{lb.worker.url}/v1/completions",
+                               json={"model": model, "prompt": "Hi", "max_tokens": 2})
+
+        found = send("from-bucket")
+        assert found.status_code == 400, found.text
+        assert found.json()["error"]["message"] == ("LoRA adapter 'from-bucket' was found but "
+                                                    "could not be loaded.")
+        assert (volume.fetched / BUCKET / "adapters" / "from-bucket" /
+                "adapter_model.safetensors").is_file()
+        other = send("bucket-other-base")
+        assert other.status_code == 500
+        assert other.json()["error"]["message"].startswith(
+            f"The adapter 'bucket-other-base' in s3://{BUCKET}/adapters cannot be served: ")
 
 
 def test_vllm_itself_exits_at_start_without_the_folder(

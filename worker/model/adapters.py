@@ -34,6 +34,9 @@ from worker.config.inputs import read_text
 from worker.config.resolved import Launch
 from worker.config.values import is_true
 from worker.errors import ConfigError
+from worker.model.bucket_adapters import PLUGIN as BUCKET_PLUGIN
+from worker.model.bucket_adapters import URI_VARIABLE as BUCKET_VARIABLE
+from worker.model.bucket_adapters import plain_name_problem
 
 RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
@@ -113,6 +116,8 @@ class AdapterSources:
     runtime_updating: bool = False
     folder: str | None = None
     hub_repos: tuple[str, ...] = ()
+    bucket: str | None = None
+    """``LORA_ADAPTERS_URI`` (without a last slash) when the bucket's resolver is on."""
     base_model: str | None = None
     served_names: tuple[str, ...] = ()
     static_adapters: tuple[str, ...] = ()
@@ -123,7 +128,8 @@ class AdapterSources:
 
     @property
     def per_job(self) -> bool:
-        return self.runtime_updating and (self.folder is not None or bool(self.hub_repos))
+        return self.runtime_updating and (self.folder is not None or bool(self.hub_repos)
+                                          or self.bucket is not None)
 
     def hub_repo_of(self, name: str) -> str | None:
         """The allowed repo ``name`` falls in (the repo, or ``<repo>/<folder>``), as vLLM
@@ -138,6 +144,8 @@ class AdapterSources:
         places = []
         if self.folder is not None:
             places.append(f"the folder {self.folder} ({FOLDER_VARIABLE})")
+        if self.bucket is not None:
+            places.append(f"the bucket {self.bucket}/<name>/ ({BUCKET_VARIABLE})")
         if self.hub_repos:
             places.append(f"the Hub repos {', '.join(self.hub_repos)} ({REPOS_VARIABLE})")
         return f"adapters named by jobs are looked up in {' and '.join(places)}"
@@ -195,6 +203,14 @@ class AdapterSources:
         if look is not None and self.folder is not None:
             where.append(_folder_clause(look, self.base_model))
             fixes.append(_folder_fix(look, self.base_model))
+        if self.bucket is not None:
+            if (problem := plain_name_problem(name)) is not None:
+                where.append(f"the bucket {self.bucket} was not asked: {name!r} is not a plain "
+                             f"name ({problem})")
+            else:
+                where.append(f"the bucket has no {self.bucket}/{name}/adapter_config.json")
+                fixes.append(f"upload the adapter to {self.bucket}/{name}/ (adapter_config.json "
+                             "and adapter_model.safetensors, as PEFT saves them)")
         if self.hub_repos:
             repo = self.hub_repo_of(name)
             if repo is None:
@@ -327,17 +343,24 @@ class _Registered:
     plugins: list[str] | None
     folder_value: str | None
     repos_value: str | None
+    bucket_value: str | None = None
 
     @classmethod
     def of(cls, env: Mapping[str, str]) -> _Registered:
         return cls(env.get(RUNTIME_VARIABLE, "0").strip().lower() in ("1", "true"),
                    env[PLUGINS_VARIABLE].split(",") if PLUGINS_VARIABLE in env else None,
-                   env.get(FOLDER_VARIABLE) or None, env.get(REPOS_VARIABLE) or None)
+                   env.get(FOLDER_VARIABLE) or None, env.get(REPOS_VARIABLE) or None,
+                   env.get(BUCKET_VARIABLE, "").strip().rstrip("/") or None)
 
     @property
     def folder(self) -> str | None:
         allowed = self.plugins is None or FOLDER_PLUGIN in self.plugins
         return self.folder_value if allowed else None
+
+    @property
+    def bucket(self) -> str | None:
+        allowed = self.plugins is None or BUCKET_PLUGIN in self.plugins
+        return self.bucket_value if allowed else None
 
     @property
     def repos(self) -> tuple[str, ...]:
@@ -368,6 +391,7 @@ def adapter_sources(launch: Launch) -> AdapterSources:
         runtime_updating=registered.runtime,
         folder=registered.folder,
         hub_repos=registered.repos,
+        bucket=registered.bucket,
         base_model=command.model,
         served_names=command.served_model_names or ((command.model,) if command.model else ()),
         static_adapters=tuple(module.name for module in command.lora_modules),
@@ -396,7 +420,7 @@ def _warnings(sources: AdapterSources, plugins: list[str] | None, folder_value: 
         warnings.append(f"{REPOS_VARIABLE} is set, but {PLUGINS_VARIABLE} does not name "
                         f"{HUB_PLUGIN}: vLLM downloads no adapter (e.g. {PLUGINS_VARIABLE}="
                         f"{FOLDER_PLUGIN},{HUB_PLUGIN})")
-    if (sources.folder or sources.hub_repos) and not sources.runtime_updating:
+    if (sources.folder or sources.hub_repos or sources.bucket) and not sources.runtime_updating:
         warnings.append(f"adapter resolvers are set, but {RUNTIME_VARIABLE} is not true: vLLM "
                         "looks up no adapter named by a job")
     if sources.per_job and not sources.lora_enabled:

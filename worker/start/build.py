@@ -31,7 +31,9 @@ from worker.config.resolved import (
 )
 from worker.config.settings import WORKER_SETTING_NAMES, Settings
 from worker.config.values import is_true, parse_bool
-from worker.model.adapters import hub_adapters_setting
+from worker.errors import ConfigError
+from worker.model.adapters import DEFAULT_MAX_LORA_RANK, hub_adapters_setting
+from worker.model.bucket_adapters import bucket_adapters
 from worker.model.cache import CachedRepo, read_cached_repo
 from worker.model.object_store import object_store_access
 from worker.model.source import resolve_sources, runpod_cache_dir
@@ -188,6 +190,7 @@ class Builder:
         read_repo: Callable[[str, str], CachedRepo | None] = read_cached_repo,
         shm_size: Callable[[], int | None] = shm_bytes,
         interfaces: Callable[[], Sequence[tuple[str, str]]] = interface_addresses,
+        is_dir: Callable[[str], bool] = os.path.isdir,
     ) -> None:
         self.settings = settings
         self.env = dict(env)
@@ -201,6 +204,7 @@ class Builder:
         self._read_repo = read_repo
         self._shm_size = shm_size
         self._interfaces = interfaces
+        self._is_dir = is_dir
 
     @property
     def catalog(self) -> FlagCatalog:
@@ -233,6 +237,7 @@ class Builder:
         command = self._as_cluster_rank(source, command)
         command = self._for_nccl(source, command)
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
+        self._for_bucket_adapters(child, command)
         hub = hub_access(child, self._read_text)
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (
             *hub.cache_dirs[:1], runpod_cache_dir(self.settings.base_path))))
@@ -246,6 +251,23 @@ class Builder:
             hub=hub,
             base_path=self.settings.base_path,
         )
+
+    def _for_bucket_adapters(self, child: dict[str, str], command: VllmCommand) -> None:
+        """vLLM's environment with what the bucket's LoRA resolver needs when
+        ``LORA_ADAPTERS_URI`` is set (:mod:`worker.model.bucket_adapters`)."""
+        rank = command.value("--max-lora-rank")
+        local = "127.0.0.1" if self._host in ("0.0.0.0", "") else self._host
+        bucket = bucket_adapters(
+            child, max_rank=int(rank) if rank is not None and rank.isdigit()
+            else DEFAULT_MAX_LORA_RANK, base_path=self.settings.base_path,
+            cache_home=_cache_home(child), is_dir=self._is_dir,
+            vllm_url=f"http://{local}:{self._port}")
+        if isinstance(bucket, ConfigError):
+            raise bucket
+        if bucket is not None:
+            child.update(bucket.env)
+            for note in bucket.notes:
+                logger.info("adapters: %s", note)
 
     def _as_cluster_rank(self, env: Mapping[str, str], command: VllmCommand) -> VllmCommand:
         """``command`` as this pod's rank of an Instant Cluster (:mod:`worker.config.cluster`),

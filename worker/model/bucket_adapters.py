@@ -1,0 +1,107 @@
+"""Adapters from a bucket (``LORA_ADAPTERS_URI=s3://bucket/prefix``): what the worker sets in
+vLLM's environment so that the user sets nothing more.
+
+The fetch runs inside vLLM, in the LoRA resolver ``lora_bucket_resolver`` (``plugin/``,
+installed into vLLM's Python by ``scripts/install_adapter_plugin.py``): vLLM asks it for a
+name it does not know, in every mode, as it asks its own folder and Hub resolvers; the worker
+never reads a job's ``model`` for it, and the load balancer's relay parses no body. The worker
+only turns on what the resolver needs: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (vLLM asks no
+resolver without it), the plugin in a ``VLLM_PLUGINS`` that lists plugins, the folder the
+adapters are fetched into (``LORA_ADAPTERS_DIR``: on the volume when there is one, else the
+local cache), the largest rank vLLM loads (``LORA_ADAPTERS_MAX_RANK``, from the command) and
+vLLM's own address (``LORA_ADAPTERS_VLLM_URL``), where the resolver unloads an adapter before
+it evicts its files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from worker.errors import ConfigError
+
+__all__ = ["BucketAdapters", "bucket_adapters", "plain_name_problem"]
+
+URI_VARIABLE = "LORA_ADAPTERS_URI"
+DIR_VARIABLE = "LORA_ADAPTERS_DIR"
+DISK_VARIABLE = "LORA_ADAPTERS_DISK_GIB"
+RANK_VARIABLE = "LORA_ADAPTERS_MAX_RANK"
+URL_VARIABLE = "LORA_ADAPTERS_VLLM_URL"
+PLUGIN = "lora_bucket_resolver"
+RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+PLUGINS_VARIABLE = "VLLM_PLUGINS"
+DOCS = "docs/adapters.md#adapters-from-a-bucket"
+
+#: The plugin's rule (plugin/lora_bucket/checks.py, name_problem): the same names pass.
+_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def plain_name_problem(name: str) -> str | None:
+    """Why the bucket's resolver does not look ``name`` up, or None for a plain name."""
+    if "/" in name or "\\" in name:
+        return "it has a '/'"
+    if ":" in name:
+        return "it is a URL or has a ':'"
+    if ".." in name:
+        return "it has '..'"
+    if not _PLAIN.fullmatch(name):
+        return "a plain name is 1 to 128 letters, digits, '.', '_' or '-', not starting with a dot"
+    return None
+
+
+@dataclass(frozen=True)
+class BucketAdapters:
+    """The bucket's URI (no slash at the end), the variables the worker adds to vLLM's
+    environment, and what it says about them at start."""
+
+    uri: str
+    env: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def folder_of(self, name: str) -> str:
+        return f"{self.uri}/{name}/"
+
+
+def bucket_adapters(
+    env: Mapping[str, str], *, max_rank: int, base_path: str, cache_home: str, vllm_url: str,
+    is_dir: Callable[[str], bool] = os.path.isdir,
+) -> BucketAdapters | ConfigError | None:
+    """What ``env`` (vLLM's environment) needs for adapters from ``LORA_ADAPTERS_URI``; None
+    when it is unset; a ConfigError for a value the resolver cannot use."""
+    value = env.get(URI_VARIABLE, "").strip()
+    if not value:
+        return None
+    bucket, _, prefix = value.removeprefix("s3://").partition("/")
+    parts = [part for part in prefix.split("/") if part]
+    if (not value.startswith("s3://") or not bucket or any(c in value for c in "?#")
+            or any(part in (".", "..") for part in parts)):
+        return ConfigError(
+            f"{URI_VARIABLE}={value!r} is not a bucket's prefix. Fix: set it to "
+            f"s3://bucket/prefix, the folder that holds one folder per adapter ({DOCS}); "
+            "only S3 and S3-compatible stores are read.")
+    disk = env.get(DISK_VARIABLE, "").strip()
+    try:
+        if disk and float(disk) <= 0:
+            raise ValueError(disk)
+    except ValueError:
+        return ConfigError(f"{DISK_VARIABLE}={disk!r} is not a positive number of GiB. Fix: "
+                           f"set it to the disk the fetched adapters may take (10 by default).")
+    uri = "s3://" + "/".join([bucket, *parts])
+    added: dict[str, str] = {RANK_VARIABLE: str(max_rank), URL_VARIABLE: vllm_url}
+    notes = []
+    if env.get(RUNTIME_VARIABLE, "").strip().lower() not in ("1", "true"):
+        added[RUNTIME_VARIABLE] = "true"
+        notes.append(f"{RUNTIME_VARIABLE}=true: set by the worker for {URI_VARIABLE}")
+    plugins = env.get(PLUGINS_VARIABLE)
+    if plugins is not None and PLUGIN not in plugins.split(","):
+        added[PLUGINS_VARIABLE] = f"{plugins},{PLUGIN}" if plugins else PLUGIN
+        notes.append(f"{PLUGINS_VARIABLE}: {PLUGIN} added by the worker for {URI_VARIABLE}")
+    if not env.get(DIR_VARIABLE, "").strip():
+        on_volume = is_dir(base_path)
+        added[DIR_VARIABLE] = (os.path.join(base_path, "lora-adapters") if on_volume else
+                               os.path.join(cache_home, "worker-vllm", "lora-adapters"))
+        where = "on the volume" if on_volume else f"on local disk (no volume at {base_path})"
+        notes.append(f"adapters from {uri} are fetched into {added[DIR_VARIABLE]} ({where})")
+    return BucketAdapters(uri, added, tuple(notes))
