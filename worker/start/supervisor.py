@@ -101,13 +101,14 @@ class _Watchdog:
     """The write end of its pipe (None once released)."""
 
 
-def _watchdog_env() -> dict[str, str]:
-    """The watchdog's environment: only what the interpreter itself may need to load (a
-    Python linked against a library of its own); nothing secret."""
-    return {name: os.environ[name] for name in ("LD_LIBRARY_PATH",) if name in os.environ}
+def _watchdog_env(vllm_env: Mapping[str, str]) -> dict[str, str]:
+    """The watchdog's environment, from vLLM's (the launch's, built from the worker's): only
+    what the interpreter itself may need to load (a Python linked against a library of its
+    own); nothing secret."""
+    return {name: vllm_env[name] for name in ("LD_LIBRARY_PATH",) if name in vllm_env}
 
 
-def _start_watchdog(pgid: int) -> _Watchdog:
+def _start_watchdog(pgid: int, vllm_env: Mapping[str, str]) -> _Watchdog:
     """Start the watchdog in process group ``pgid`` (vLLM's); OSError if it cannot join it.
 
     The pipe is the kernel's own: its read end goes to the watchdog alone, its write end
@@ -123,7 +124,7 @@ def _start_watchdog(pgid: int) -> _Watchdog:
     try:
         process = subprocess.Popen(
             [sys.executable, "-I", "-S", _WATCHDOG, str(read_end), str(pgid)],
-            env=_watchdog_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            env=_watchdog_env(vllm_env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             pass_fds=(read_end,), process_group=pgid)
     except BaseException:
         _GUARDS.discard(write_end)
@@ -230,7 +231,7 @@ class VllmProcess:
             else None,
         )
         try:
-            self._watchdog = _start_watchdog(self._proc.pid)
+            self._watchdog = _start_watchdog(self._proc.pid, self._env)
         except (OSError, subprocess.SubprocessError) as exc:
             # A vLLM gone already (a start that fails at once) has no group left to join.
             if self._proc.poll() is None:
