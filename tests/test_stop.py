@@ -33,7 +33,7 @@ from tests.fake_vllm import fake_vllm_env, free_port
 from tests.lb_worker import start_lb_worker
 from tests.worker_process import ROOT, WorkerProcess, base_env, wait_until
 from worker.config.settings import Settings
-from worker.config.stop import EXIT_MARGIN, VLLM_STOP_MAX, stop_budget
+from worker.config.stop import EXIT_MARGIN, VLLM_STOP_MAX, StopClock, stop_budget
 from worker.start.supervisor import VllmProcess, group_members
 
 WATCHDOG_LINE = "vLLM's watchdog: the worker is gone; SIGKILL to vLLM's process group"
@@ -73,6 +73,17 @@ def test_the_drain_is_what_the_grace_leaves(grace: float, drain_timeout: float,
 ])
 def test_vllm_gets_what_the_grace_has_left(grace: float, elapsed: float, vllm: float) -> None:
     assert stop_budget(grace, 30).vllm_grace(elapsed) == pytest.approx(vllm)
+
+
+def test_the_stop_clock_counts_from_the_first_sigterm() -> None:
+    """Both modes read vLLM's share from one clock: a second SIGTERM moves nothing, and a
+    stop no signal asked for gives vLLM all of its share."""
+    clock = StopClock(stop_budget(10, 30))
+    assert clock.vllm_grace(now=500.0) == pytest.approx(9)  # no SIGTERM: vLLM's death, say
+    assert clock.signal(now=100.0) == pytest.approx(109)  # vLLM gone 9 s after the SIGTERM
+    assert clock.signal(now=103.0) == pytest.approx(109)  # the first SIGTERM counts
+    assert clock.vllm_grace(now=104.5) == pytest.approx(4.5)  # after a drain of 4.5 s
+    assert clock.vllm_grace(now=112.0) == 0.0  # a drain that overran: SIGKILL at once
 
 
 def test_the_defaults_drain_for_4_5_s_of_dockers_10() -> None:

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from worker.config.resolved import PROXY_IDLE_SECONDS
 from worker.config.settings import Settings
+from worker.config.stop import StopClock
 from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
 from worker.jobs.loopwatch import watching
 from worker.start.rank import watch_cluster
@@ -94,7 +95,7 @@ class LoadBalancerWorker:
         self._in_flight = 0
         self._done = asyncio.Event()
         self._exit_code = 0
-        self._signalled_at: float | None = None  # the platform's SIGTERM (monotonic)
+        self._stop = StopClock(settings.stop)
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> int:
@@ -102,8 +103,7 @@ class LoadBalancerWorker:
             return asyncio.run(self._run())
         finally:
             if self.startup.process is not None:  # within what WORKER_STOP_GRACE leaves
-                since = 0.0 if self._signalled_at is None else time.monotonic() - self._signalled_at
-                self.startup.process.stop(grace=self.settings.stop.vllm_grace(since)
+                self.startup.process.stop(grace=self._stop.vllm_grace(time.monotonic())
                                           if self._exit_code == 0 else 1.0)
 
     async def _run(self) -> int:
@@ -207,9 +207,9 @@ class LoadBalancerWorker:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         logger.info("%s: no new requests", sig.name)
-        self._signalled_at = self._signalled_at or time.monotonic()
+        deadline = self._stop.signal(time.monotonic())
         if self.startup.process is not None:  # also a stop under way (a failed attempt's)
-            self.startup.process.stop_by(self._signalled_at + self.settings.stop.vllm_grace(0))
+            self.startup.process.stop_by(deadline)
         if self.state is not State.DEAD:
             self.state = State.STOPPING
         self._done.set()

@@ -30,6 +30,7 @@ from typing import Any
 
 from worker.config.capacity import Capacity
 from worker.config.settings import Settings
+from worker.config.stop import StopClock
 from worker.errors import PrestartFailed, WorkerError
 from worker.jobs.batch import BatchOptions
 from worker.jobs.batch_files import BatchFiles
@@ -77,7 +78,7 @@ class QueueWorker:
         self._jobs: JobLoop | None = None
         self._pacer: Pacer | None = None
         self._capacity: Capacity | None = None
-        self._signalled_at: float | None = None  # the platform's SIGTERM (monotonic)
+        self._stop = StopClock(settings.stop)
         self._vllm_died = False
 
     def _default_proxy(self, served_model: str | None, probe: BackendFailureProbe) -> Proxy:
@@ -178,17 +179,15 @@ class QueueWorker:
 
     def _vllm_grace(self) -> float:
         """Seconds vLLM's group gets between SIGTERM and SIGKILL, were its stop to begin now."""
-        since = 0.0 if self._signalled_at is None else time.monotonic() - self._signalled_at
-        grace = self.settings.stop.vllm_grace(since)
+        grace = self._stop.vllm_grace(time.monotonic())
         return min(grace, DEAD_VLLM_GRACE) if self._vllm_died else grace
 
     def _signalled(self) -> None:
         """SIGTERM/SIGINT: the whole stop must end within WORKER_STOP_GRACE of now."""
-        if self._signalled_at is None:
-            self._signalled_at = time.monotonic()
+        deadline = self._stop.signal(time.monotonic())
         process = self.startup.process
         if process is not None:  # also a stop under way in a thread (a failed attempt's)
-            process.stop_by(self._signalled_at + self.settings.stop.vllm_grace(0.0))
+            process.stop_by(deadline)
 
     async def _interruptible(
         self, work: Coroutine[Any, Any, StartOutcome]

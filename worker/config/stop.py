@@ -47,6 +47,28 @@ class StopBudget:
         return max(0.0, min(VLLM_STOP_MAX, self.grace - EXIT_MARGIN - elapsed))
 
 
+@dataclass
+class StopClock:
+    """One worker's stop as it happens: when the platform's SIGTERM came (``time.monotonic``;
+    the first one counts), and from it what vLLM's stop may still take. The queue worker and
+    the load balancer each keep one."""
+
+    budget: StopBudget
+    signalled_at: float | None = None
+
+    def signal(self, now: float) -> float:
+        """The SIGTERM, seen at ``now``: the time by which vLLM's group must be gone."""
+        if self.signalled_at is None:
+            self.signalled_at = now
+        return self.signalled_at + self.budget.vllm_grace(0.0)
+
+    def vllm_grace(self, now: float) -> float:
+        """Seconds vLLM's group gets between its SIGTERM and its SIGKILL, were its stop to
+        begin at ``now`` (all of vLLM's share when no signal asked for the stop)."""
+        since = 0.0 if self.signalled_at is None else now - self.signalled_at
+        return self.budget.vllm_grace(since)
+
+
 def stop_budget(grace: float, drain_timeout: float) -> StopBudget:
     """The stop's plan for a platform grace of ``grace`` seconds and ``WORKER_DRAIN_TIMEOUT``."""
     usable = max(0.0, grace - EXIT_MARGIN)
