@@ -27,6 +27,11 @@ commit).
 Figures, per concurrency (medians over the rounds of each round's percentile):
 
 * the client's TTFT and ITL, p50 and p90, and output tokens/s, straight and through the worker;
+* vLLM's own mean time to first token over each run of the client (its histogram
+  ``vllm:time_to_first_token_seconds``, from the request's arrival in its engine): what vLLM
+  took, whatever the client's clock says; and the client's own event loop over its run, its
+  CPU and its wait for one (``/proc/<pid>/schedstat``), with the machine's TCP
+  retransmissions (on loopback: a client too slow to read its streams);
 * the platform's side: a job's take → its first stream POST, p50 and p90 (the job API's
   clock), and that minus the client's TTFT straight to vLLM at the same percentile;
 * where each job's first token spent its time, per job (the worker's ``WORKER_TIMELINE_FILE``
@@ -45,9 +50,12 @@ whole stream at once; the worker's share at most 20 ms at p50 and 50 ms at p90; 
 TTFT through the queue at most vLLM's + 40 ms at p50; through the load balancer at most
 vLLM's + 15 ms TTFT and + 2 ms ITL at p50. The client's ITL through the queue is mostly 0:
 the worker posts several events at once (5 POSTs for 66 events), which the platform hands on
-together. The figures never fail the run; the exit code is 1 only when a
-request failed or a job went wrong. The defaults take about 12 minutes on 2 cores (four vLLM
-starts, 2 x 2 x 3 runs of the client per part and engine).
+together. The client runs at real-time priority (``chrt -f 1``, where this user may; else
+the first line says so, and ``--client-priority normal`` asks for the plain one): it is the
+clock, and a client left to wait for a CPU behind vLLM's busy processes stamps its own wait
+into every first token (:func:`realtime_prefix`). The figures never fail the run; the exit
+code is 1 only when a request failed or a job went wrong. The defaults take about 12 minutes
+on 2 cores (four vLLM starts, 2 x 2 x 3 runs of the client per part and engine).
 """
 
 from __future__ import annotations
@@ -66,6 +74,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -104,6 +114,9 @@ class Run:
     #: vLLM's own time to its first event for that request).
     stages: dict[str, list[float]] = field(default_factory=dict)
     worker_cpu_s: float = 0.0
+    #: vLLM's own mean time to first token over the run (ms): its histogram, from each
+    #: request's arrival in its engine, whichever way the request came.
+    engine_ttft_ms: float = float("nan")
 
     def ms(self, name: str) -> float:
         return float(self.result[name])
@@ -116,10 +129,32 @@ class Pair:
     relayed: Run  # through the worker
 
 
+def realtime_prefix(wanted: str) -> list[str]:
+    """What runs the client at real-time priority (``chrt -f 1``), when ``wanted`` is
+    "realtime" and this user may (root, or CAP_SYS_NICE); else nothing.
+
+    Why: the client is the clock. On this 2-core machine vLLM's engine core and its model
+    process keep both cores busy while they serve, and the client's event loop, which stamps
+    each first token, waited on a run queue for 9.3 s of a 12 s run (its main thread's
+    ``/proc/<pid>/task/<tid>/schedstat``) while it needed 0.2 s of CPU: eight requests at a
+    time (one concurrency's worth) then showed the same first token 0.3-1.3 s late, straight
+    to vLLM as through the worker, while vLLM's own histogram of the time to first token
+    (from the request's arrival in its engine) stayed at 13-18 ms on average. Its streams'
+    unread data also set off the servers' retransmissions on loopback. At real-time priority
+    the client runs as soon as a token arrives; it needs little CPU, so vLLM loses none.
+    """
+    if wanted != "realtime" or shutil.which("chrt") is None:
+        return []
+    allowed = subprocess.run(["chrt", "-f", "1", "true"], capture_output=True, check=False)
+    return ["chrt", "-f", "1"] if allowed.returncode == 0 else []
+
+
 def bench_serve(vllm: str, env: dict[str, str], args: argparse.Namespace, *, base_url: str,
                 model: str, concurrency: int, out: Path) -> dict[str, Any]:
-    """Run ``vllm bench serve`` once; its saved result."""
-    argv = [vllm, "bench", "serve", "--backend", "openai", "--base-url", base_url,
+    """Run ``vllm bench serve`` once (at real-time priority when ``args.client_priority``
+    allows); its saved result."""
+    argv = [*args.client_prefix, vllm, "bench", "serve", "--backend", "openai",
+            "--base-url", base_url,
             "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--ignore-eos",
@@ -127,12 +162,44 @@ def bench_serve(vllm: str, env: dict[str, str], args: argparse.Namespace, *, bas
             "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,90,100",
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
             "--disable-tqdm", "--ready-check-timeout-sec", "0"]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not out.exists():
-        raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n"
-                         f"{(done.stdout + done.stderr)[-3000:]}")
+    retransmitted = tcp_retransmissions()
+    client = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    lines: list[str] = []
+    marks: list[tuple[int, int]] = []  # the client's event loop at its run's start and end
+    assert client.stdout is not None
+    for line in client.stdout:
+        lines.append(line)
+        if "Starting main benchmark run" in line or "Serving Benchmark Result" in line:
+            marks.append(schedstat(client.pid))
+    client.wait()
+    if client.returncode != 0 or not out.exists():
+        raise SystemExit(f"vllm bench serve failed ({client.returncode}):\n"
+                         f"{''.join(lines)[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
+    result["tcp_retransmissions"] = tcp_retransmissions() - retransmitted
+    if len(marks) == 2:
+        result["client_cpu_ms"] = (marks[1][0] - marks[0][0]) / 1e6
+        result["client_waited_ms"] = (marks[1][1] - marks[0][1]) / 1e6
     return result
+
+
+def schedstat(pid: int) -> tuple[int, int]:
+    """A thread's ``/proc/<pid>/schedstat`` (``pid``: a process's main thread): its ns on a CPU,
+    and its ns waiting on a run queue, runnable."""
+    with contextlib.suppress(OSError, ValueError):
+        on_cpu, waited, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+        return int(on_cpu), int(waited)
+    return 0, 0
+
+
+def tcp_retransmissions() -> int:
+    """The machine's TCP segments retransmitted so far (``/proc/net/snmp``'s RetransSegs)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        rows = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()
+                if line.startswith("Tcp:")]
+        return int(rows[1][rows[0].index("RetransSegs")])
+    return 0
 
 
 #: A job's first token, stage by stage: (the key of its figures, its name in the table, from,
@@ -206,17 +273,39 @@ def cpu_per_1000(run: Run) -> float:
     return 1000 * 1000 * run.worker_cpu_s / tokens if tokens else float("nan")
 
 
+_TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)\{[^}]*\} (\S+)$", re.M)
+
+
+def engine_ttft(vllm_url: str) -> tuple[float, float]:
+    """vLLM's own histogram of the time to first token so far: its sum (s) and count."""
+    text = httpx.get(f"{vllm_url}/metrics", timeout=60).text
+    found = {"sum": 0.0, "count": 0.0}
+    for kind, value in _TTFT.findall(text):
+        found[kind] += float(value)
+    return found["sum"], found["count"]
+
+
+def served(serve: Callable[..., dict[str, Any]], vllm_url: str, **kwargs: Any) -> Run:
+    """One run of the client, with vLLM's own mean time to first token over it."""
+    total, count = engine_ttft(vllm_url)
+    run = Run(serve(**kwargs))
+    after_total, after_count = engine_ttft(vllm_url)
+    if after_count > count:
+        run.engine_ttft_ms = 1000 * (after_total - total) / (after_count - count)
+    return run
+
+
 def run_pair(concurrency: int, index: int, *, serve: Callable[..., dict[str, Any]],
              vllm_url: str, worker_url: str, worker_pid: int, out: Path, wrong: list[str],
              api: FakeJobApi | None = None, timelines: Path | None = None) -> Pair:
     """The client straight to vLLM, then through the worker (the platform stand-in over the
     job API when ``api`` is given, the load balancer's port otherwise)."""
-    direct = Run(serve(base_url=vllm_url, concurrency=concurrency,
-                       out=out / f"direct-{concurrency}-{index}.json"))
+    direct = served(serve, vllm_url, base_url=vllm_url, concurrency=concurrency,
+                    out=out / f"direct-{concurrency}-{index}.json")
     before = set(api.jobs) if api is not None else set()
     cpu = cpu_seconds(worker_pid)
-    relayed = Run(serve(base_url=worker_url, concurrency=concurrency,
-                        out=out / f"worker-{concurrency}-{index}.json"))
+    relayed = served(serve, vllm_url, base_url=worker_url, concurrency=concurrency,
+                     out=out / f"worker-{concurrency}-{index}.json")
     relayed.worker_cpu_s = cpu_seconds(worker_pid) - cpu
     if api is not None:
         records = [api.jobs[job_id] for job_id in api.jobs if job_id not in before]
@@ -242,6 +331,13 @@ def summary(pairs: list[Pair]) -> dict[str, float]:
             figures[f"{side}_{name}"] = median_of(
                 pairs, lambda p, key=key, run_of=run_of: run_of(p).ms(key))  # type: ignore[misc]
     figures["worker_cpu_ms_per_1000_tokens"] = median_of(pairs, lambda p: cpu_per_1000(p.relayed))
+    for side, run_of in (("vllm", lambda p: p.direct), ("worker", lambda p: p.relayed)):
+        for name in ("client_waited_ms", "client_cpu_ms", "tcp_retransmissions"):
+            figures[f"{side}_{name}"] = median_of(
+                pairs, lambda p, name=name, run_of=run_of: float(  # type: ignore[misc]
+                    run_of(p).result.get(name, float("nan"))))
+    figures["vllm_engine_ttft_mean_ms"] = median_of(pairs, lambda p: p.direct.engine_ttft_ms)
+    figures["worker_engine_ttft_mean_ms"] = median_of(pairs, lambda p: p.relayed.engine_ttft_ms)
     figures["ttft_added_p50_ms"] = figures["worker_ttft_p50_ms"] - figures["vllm_ttft_p50_ms"]
     figures["itl_added_p50_ms"] = figures["worker_itl_p50_ms"] - figures["vllm_itl_p50_ms"]
     if pairs[0].relayed.posts:  # the queue path: the platform's view
@@ -298,6 +394,14 @@ def print_table(title: str, figures: dict[str, float], rounds: int) -> None:
              f"p50 <= vLLM + {GOAL_LB_ITL_ADDED_P50_MS:.0f}: "
              f"{verdict(f['itl_added_p50_ms'] <= GOAL_LB_ITL_ADDED_P50_MS)} "
              f"({f['itl_added_p50_ms']:+.1f})"),
+            ("vLLM's own TTFT, mean (its histogram; ms)", f"{f['vllm_engine_ttft_mean_ms']:.0f}",
+             f"{f['worker_engine_ttft_mean_ms']:.0f}", ""),
+            ("client's event loop: CPU / wait for one (ms)",
+             f"{f['vllm_client_cpu_ms']:.0f} / {f['vllm_client_waited_ms']:.0f}",
+             f"{f['worker_client_cpu_ms']:.0f} / {f['worker_client_waited_ms']:.0f}", ""),
+            ("TCP retransmissions in the run (loopback)",
+             f"{f['vllm_tcp_retransmissions']:.0f}", f"{f['worker_tcp_retransmissions']:.0f}",
+             ""),
             ("output tokens/s", f"{f['vllm_tokens_per_s']:.0f}",
              f"{f['worker_tokens_per_s']:.0f}", ""),
             ("worker CPU per 1,000 tokens (ms)", "",
@@ -453,15 +557,21 @@ def main() -> int:
     parser.add_argument("--worker-tree", type=Path,
                         help="run the worker of this checkout (e.g. a git worktree of an older "
                              "commit, to bisect); the benchmark's own parts stay this one's")
+    parser.add_argument("--client-priority", choices=("realtime", "normal"),
+                        default="realtime",
+                        help="run vLLM's client at real-time priority (chrt -f 1, when this "
+                             "user may; see realtime_prefix) or as any process")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    args.client_prefix = realtime_prefix(args.client_priority)
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     env = script_env(scratch)
     env["KV_CACHE_MEMORY_BYTES"] = "512M"  # every request of the largest concurrency at once
     bench = Bench(args, env, scratch)
     print(f"bench_queue: {args.prompts} prompts of {args.input_len} tokens, "
-          f"{args.output_len} out, per run of the client", flush=True)
+          f"{args.output_len} out, per run of the client, the client at "
+          f"{'real-time' if args.client_prefix else 'normal'} priority", flush=True)
     for engine in args.engine:
         if args.part in ("queue", "both"):
             queue_part(bench, engine)

@@ -52,6 +52,8 @@ COLUMNS = {
         ("TTFT p50 vLLM", "vllm_ttft_p50_ms", "{:.0f}"),
         ("TTFT added p50", "ttft_added_p50_ms", "{:+.0f}"),
         ("TTFT p90 lb", "worker_ttft_p90_ms", "{:.0f}"),
+        ("vLLM's own, lb", "worker_engine_ttft_mean_ms", "{:.0f}"),
+        ("client waited, lb", "worker_client_waited_ms", "{:.0f}"),
         ("ITL added p50", "itl_added_p50_ms", "{:+.1f}"),
         ("tokens/s ratio", "tokens_ratio", "{:.2f}"),
     ),
@@ -75,6 +77,7 @@ def one_run(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "--json", str(out)]
     if args.max_concurrency is not None:
         argv += ["--max-concurrency", args.max_concurrency]
+    argv += ["--client-priority", args.client_priority]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
     (out.with_suffix(".log")).write_text(done.stdout + done.stderr)
     if not out.exists():
@@ -108,6 +111,8 @@ def main() -> int:
     parser.add_argument("--max-concurrency", default=None,
                         help="the queue worker's MAX_CONCURRENCY, passed to bench_queue.py "
                              "('unset': each commit's default)")
+    parser.add_argument("--client-priority", choices=("realtime", "normal"),
+                        default="realtime", help="passed to bench_queue.py")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bisect-queue-"))
@@ -116,7 +121,8 @@ def main() -> int:
         f"{name:>18}" for name, _, _ in COLUMNS[args.part])
     stalls = f"{'stalls':>18}" if args.part == "queue" else ""
     print(f"bisect_queue: the {args.part} part, {args.prompts} prompts at concurrency "
-          f"{args.concurrency}, vLLM's {args.engine} engine; the logs in {scratch}\n"
+          f"{args.concurrency}, vLLM's {args.engine} engine, the client at "
+          f"{args.client_priority} priority; the logs in {scratch}\n"
           f"{header}{stalls}", flush=True)
     try:
         for index in range(args.runs):
