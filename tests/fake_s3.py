@@ -25,6 +25,20 @@ SECRET_ACCESS_KEY = "worker-tests-secret-access-key-0123456789"
 REGION = "us-east-1"
 
 
+def client_of(url: str) -> Any:
+    """A boto3 client of the store at ``url`` (this module's keys)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=url, region_name=REGION,
+                        aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY)
+
+
+def env_of(url: str, **more: str) -> dict[str, str]:
+    """The variables a user sets for the store at ``url`` (a non-AWS endpoint, static keys)."""
+    return {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY, "AWS_REGION": REGION, **more}
+
+
 class FakeS3:
     """One moto server on a free loopback port, with a boto3 client to fill its buckets, and
     the bytes of the objects it served (``bytes_read``: the bodies of its GETs)."""
@@ -59,16 +73,11 @@ class FakeS3:
         self.url = f"http://127.0.0.1:{self._server.server_port}"
 
     def client(self) -> Any:
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.url, region_name=REGION,
-                            aws_access_key_id=ACCESS_KEY_ID,
-                            aws_secret_access_key=SECRET_ACCESS_KEY)
+        return client_of(self.url)
 
     def env(self, **more: str) -> dict[str, str]:
         """The variables a user sets for this store (a non-AWS endpoint, static keys)."""
-        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
-                "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY, "AWS_REGION": REGION, **more}
+        return env_of(self.url, **more)
 
     def upload(self, folder: Path, bucket: str, prefix: str,
                skip: tuple[str, ...] = ()) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from lora_bucket.checks import AdapterError, BucketUri
-from lora_bucket.disk import MARKER, AdapterDisk
+from lora_bucket.disk import MARKER, RESERVED, AdapterDisk
 from lora_bucket.fetch import Fetcher
 from lora_bucket.store import S3Store, Store
 
@@ -262,7 +262,7 @@ def test_a_fetch_killed_halfway_leaves_no_adapter(store: FakeS3, tmp_path: Path)
     assert not (tmp_path / "killed").exists()  # what vLLM would load is not there
     halves = list((tmp_path / ".partial").iterdir())
     assert [p.name.split("+")[0] for p in halves] == ["killed"]
-    assert [p.name for p in halves[0].iterdir()] == ["adapter_config.json"]
+    assert {p.name for p in halves[0].iterdir()} == {"adapter_config.json", RESERVED}
     # The next fetch (its lock went with the killed process) fetches it whole.
     fetch = fetcher(store, tmp_path)
     assert fetch.fetch("killed") == tmp_path / "killed"
@@ -301,6 +301,85 @@ def test_the_least_recently_used_are_evicted_under_the_bound(
     used.disk.release("b")
     fetcher(store, tmp_path, bound=bound, clock=clock).fetch("sql")
     assert not (tmp_path / "b").exists() and (tmp_path / "mine").exists()
+
+
+class HeldFetch:
+    """A fetch of ``name`` in a thread of its own, held at its weights until :meth:`finish`:
+    a fetch under way, as vLLM runs several at once."""
+
+    def __init__(self, store: FakeS3, root: Path, bound: int, name: str) -> None:
+        self.name = name
+        self.started, self.released = threading.Event(), threading.Event()
+        self.fetch = fetcher(store, root, bound=bound)
+        assert isinstance(self.fetch.store, Counting)
+        self.fetch.store.on_download = self._hold
+        self.thread = threading.Thread(target=self.fetch.fetch, args=(name,))
+        self.thread.start()
+        assert self.started.wait(60), f"the fetch of {name} never reached its weights"
+
+    def _hold(self, key: str) -> None:
+        if key.endswith(f"{self.name}/adapter_model.safetensors"):
+            self.started.set()
+            assert self.released.wait(60), "the test never let the fetch go on"
+
+    def finish(self) -> None:
+        self.released.set()
+        self.thread.join(60)
+
+
+def one_left_to_go(store: FakeS3, root: Path) -> int:
+    """A bound that holds two adapters, not three, and ``a`` on disk, fetched by a worker
+    that stopped (so that it may go)."""
+    size = len(adapter()["adapter_config.json"]) + len(WEIGHTS) + 200
+    gone = fetcher(store, root, bound=2 * size + size // 2)
+    gone.fetch("a")
+    gone.disk.release("a")
+    return gone.disk.bound
+
+
+def test_fetches_under_way_make_room_for_each_other(store: FakeS3, tmp_path: Path) -> None:
+    """vLLM resolves names in threads: a fetch under way counts toward the bound with what it
+    reserved, so a second one evicts for both; a half folder left by a killed fetch counts
+    for nothing."""
+    (tmp_path / ".partial" / "killed+1+1").mkdir(parents=True)  # no fetch holds its lock
+    (tmp_path / ".partial" / "killed+1+1" / RESERVED).write_text(str(1 << 30))
+    bound = one_left_to_go(store, tmp_path)
+    assert AdapterDisk(tmp_path, bound).in_flight() == 0
+    first = HeldFetch(store, tmp_path, bound, "b")
+    try:
+        reserved = first.fetch.disk.in_flight()
+        assert len(WEIGHTS) < reserved < bound // 2  # "b", under way
+        fetcher(store, tmp_path, bound=bound).fetch("c")  # "a" and "b" and "c" do not fit
+        assert not (tmp_path / "a").exists()
+    finally:
+        first.finish()
+    whole = {p.name for p in tmp_path.iterdir() if not p.name.startswith(".")}
+    assert whole == {"b", "c"}
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()
+               and ".partial" not in p.parts) <= bound
+    assert not list((tmp_path / "b").glob(RESERVED))  # the reservation ends with the fetch
+
+
+def test_a_fetch_that_ends_while_room_is_made_is_counted(
+    store: FakeS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch renames its folder into place outside the eviction's lock: one that ends while
+    another makes room is counted (twice at worst), never missed."""
+    bound = one_left_to_go(store, tmp_path)
+    first = HeldFetch(store, tmp_path, bound, "b")
+    counted = AdapterDisk.in_flight
+
+    def ends_first(disk: AdapterDisk) -> int:  # "b" is renamed into place right now
+        first.finish()
+        assert (tmp_path / "b").is_dir(), "the first fetch never ended"
+        return counted(disk)
+
+    monkeypatch.setattr(AdapterDisk, "in_flight", ends_first)
+    try:
+        fetcher(store, tmp_path, bound=bound).fetch("c")
+    finally:
+        first.finish()
+    assert {p.name for p in tmp_path.iterdir() if not p.name.startswith(".")} == {"b", "c"}
 
 
 def test_what_this_vllm_resolved_is_unloaded_from_it_before_its_files_go(

@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import shutil
-import struct
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from tests.serving import Serving, start_serving
 from tests.shared_workers import POOL, pooled
 from tests.test_e2e_config import answer
 from tests.test_e2e_routes import sample_sum
+from tests.tiny_model import lora_files, write
 from tests.worker_process import WorkerProcess, base_env
 
 pytestmark = pytest.mark.vllm
@@ -44,44 +43,7 @@ pytestmark = pytest.mark.vllm
 SERVED = "tiny"
 MODEL_REPO = "acme/tiny"
 HUB_TOKEN = "hf_TokenOfThePrivateAdapterRepo5521"
-TARGETS = ("q_proj", "v_proj")
 BUCKET = "tuned"
-
-
-def lora_files(model: Path, *, seed: int, rank: int = 8, scale: float = 0.1,
-               base: str = MODEL_REPO) -> dict[str, bytes]:
-    """A LoRA adapter of the tiny model as PEFT saves one, with weights strong enough to move
-    its logprobs well away from another seed's: adapter_config.json and the safetensors."""
-    config = json.loads((model / "config.json").read_text())
-    hidden, head = config["hidden_size"], config["head_dim"]
-    out = {"q_proj": config["num_attention_heads"] * head,
-           "v_proj": config["num_key_value_heads"] * head}
-    rng = random.Random(seed)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    data = bytearray()
-    for layer in range(config["num_hidden_layers"]):
-        for target in TARGETS:
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
-            for part, shape in (("lora_A", [rank, hidden]), ("lora_B", [out[target], rank])):
-                count = shape[0] * shape[1]
-                header[f"{prefix}.{part}.weight"] = {
-                    "dtype": "F32", "shape": shape, "data_offsets": [len(data),
-                                                                     len(data) + 4 * count]}
-                data += struct.pack(f"<{count}f", *(rng.gauss(0, scale) for _ in range(count)))
-    head_bytes = json.dumps(header).encode()
-    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
-               "lora_dropout": 0.0, "bias": "none", "target_modules": list(TARGETS),
-               "base_model_name_or_path": base}
-    return {"adapter_config.json": json.dumps(adapter, indent=2).encode(),
-            "adapter_model.safetensors": struct.pack("<Q", len(head_bytes)) + head_bytes
-            + bytes(data)}
-
-
-def write(folder: Path, files: dict[str, bytes]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (folder / name).write_bytes(data)
-    return folder
 
 
 @dataclass

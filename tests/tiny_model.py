@@ -4,15 +4,18 @@ Shared by the test fixtures (tests/conftest.py) and the scripts that start a rea
 outside pytest (scripts/soak.py), so that both serve the very same model and settings. The
 tiny Llama serves the text routes; the tiny Whisper the speech-to-text ones, which take the
 one-second WAV made here; the tiny vision-language model the images in chat messages, which
-take the PNGs made here.
+take the PNGs made here; LoRA adapters of the tiny Llama as PEFT saves them
+(:func:`lora_files`) serve the adapter tests and scripts/bench_adapters.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 import os
+import random
 import shutil
 import struct
 import subprocess
@@ -20,6 +23,7 @@ import wave
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from worker.start import build
 
@@ -148,3 +152,43 @@ def png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels)
             + chunk(b"IEND", b""))
+
+
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def lora_files(model: Path, *, seed: int, rank: int = 8, scale: float = 0.1,
+               base: str = "acme/tiny") -> dict[str, bytes]:
+    """A LoRA adapter of the tiny model as PEFT saves one, with weights strong enough to move
+    its logprobs well away from another seed's: adapter_config.json and the safetensors."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, head = config["hidden_size"], config["head_dim"]
+    out = {"q_proj": config["num_attention_heads"] * head,
+           "v_proj": config["num_key_value_heads"] * head}
+    rng = random.Random(seed)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    data = bytearray()
+    for layer in range(config["num_hidden_layers"]):
+        for target in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            for part, shape in (("lora_A", [rank, hidden]), ("lora_B", [out[target], rank])):
+                count = shape[0] * shape[1]
+                header[f"{prefix}.{part}.weight"] = {
+                    "dtype": "F32", "shape": shape, "data_offsets": [len(data),
+                                                                     len(data) + 4 * count]}
+                data += struct.pack(f"<{count}f", *(rng.gauss(0, scale) for _ in range(count)))
+    head_bytes = json.dumps(header).encode()
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
+               "lora_dropout": 0.0, "bias": "none", "target_modules": list(LORA_TARGETS),
+               "base_model_name_or_path": base}
+    return {"adapter_config.json": json.dumps(adapter, indent=2).encode(),
+            "adapter_model.safetensors": struct.pack("<Q", len(head_bytes)) + head_bytes
+            + bytes(data)}
+
+
+def write(folder: Path, files: dict[str, bytes]) -> Path:
+    """``files`` (name → bytes) written into ``folder``, made if needed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder

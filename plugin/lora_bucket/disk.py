@@ -5,7 +5,8 @@ bound on the disk they take.
 Layout, per ``LORA_ADAPTERS_URI``::
 
     <root>/<name>/                 a whole adapter, as vLLM loads it, with MARKER
-    <root>/.partial/<name>+<pid>+<n>/   a fetch under way (renamed to <root>/<name> when whole)
+    <root>/.partial/<name>+<pid>+<n>/   a fetch under way (renamed to <root>/<name> when whole),
+                                   its bytes to come in RESERVED until then
     <root>/.locks/<name>.fetch     held (exclusive) while <name> is fetched
     <root>/.locks/<name>.use       held (shared) by every vLLM that resolved <name>, for its life
     <root>/.locks/.evict           held (exclusive) while room is made
@@ -13,7 +14,10 @@ Layout, per ``LORA_ADAPTERS_URI``::
 The locks are ``flock`` locks, so they hold across processes (two workers on one volume) and
 go with the process that held them (a fetch killed halfway leaves no lock). Only folders with
 :data:`MARKER`, which the fetch writes, are ever evicted; a folder of the user's never is; nor
-an adapter whose ``.use`` lock someone holds (:meth:`AdapterDisk.make_room`).
+an adapter whose ``.use`` lock someone holds (:meth:`AdapterDisk.reserve`). A fetch under way
+counts toward the bound with the size it reserved while its ``.fetch`` lock is held, so that
+fetches of several adapters at once (vLLM resolves names in threads, and workers share a
+volume) make room for each other; a half folder whose fetch was killed counts for nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MARKER", "AdapterDisk", "Entry", "Room", "to_free"]
+__all__ = ["MARKER", "RESERVED", "AdapterDisk", "Entry", "Room", "to_free"]
 
 #: Written into every fetched adapter's folder: the source and the size; what may be evicted.
 MARKER = ".lora-bucket.json"
+#: In a fetch's folder under ``.partial``, while it is under way: the bytes it will take.
+RESERVED = ".lora-bucket.reserved"
 _counter = itertools.count()
 
 
@@ -57,9 +63,11 @@ def lru_first(entries: Sequence[Entry]) -> list[Entry]:
 
 @dataclass(frozen=True)
 class Room:
-    """What :meth:`AdapterDisk.make_room` did: the adapters evicted, and the bytes still over
-    the bound (adapters in use are kept: 0 when the bound holds)."""
+    """What :meth:`AdapterDisk.reserve` did: the fetch's own folder under ``.partial``, the
+    adapters evicted, and the bytes still over the bound (adapters in use are kept: 0 when the
+    bound holds)."""
 
+    partial: Path
     evicted: tuple[str, ...]
     over: int
 
@@ -88,6 +96,18 @@ class AdapterDisk:
         return (self.path(name) / MARKER).is_file()
 
     # -- locks ------------------------------------------------------------------------------
+    def _fetched_now(self, name: str) -> bool:
+        """Whether a fetch of ``name`` is under way (its ``.fetch`` lock is held, by any
+        process, this one included)."""
+        fd = os.open(self._lock_path(name, "fetch"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     @contextlib.contextmanager
     def fetching(self, name: str) -> Iterator[None]:
         """Held while ``name`` is fetched: a second fetch of it (any process) waits, then finds
@@ -116,16 +136,16 @@ class AdapterDisk:
             os.utime(self.path(name) / MARKER, (now, now))
 
     # -- a fetch ----------------------------------------------------------------------------
-    def install(self, name: str, source: str, size: int, write: Callable[[Path], None]) -> Path:
-        """Fetch ``name`` whole or not at all: ``write`` fills a fresh folder under
-        ``.partial``, which is renamed to ``<root>/<name>`` once it is complete (a rename is
-        atomic: vLLM never sees half an adapter). Call inside :meth:`fetching`."""
-        self.drop_partials(name)
-        partial = self.root / ".partial" / f"{name}+{os.getpid()}+{next(_counter)}"
-        partial.mkdir(parents=True)
+    def install(self, name: str, room: Room, source: str, size: int,
+                write: Callable[[Path], None]) -> Path:
+        """Fetch ``name`` whole or not at all: ``write`` fills the folder :meth:`reserve` made,
+        which is renamed to ``<root>/<name>`` once it is complete (a rename is atomic: vLLM
+        never sees half an adapter). Call inside :meth:`fetching`."""
+        partial = room.partial
         try:
             write(partial)
             (partial / MARKER).write_text(json.dumps({"source": source, "size": size}))
+            (partial / RESERVED).unlink(missing_ok=True)
             final = self.path(name)
             if final.exists():  # a folder of the user's, or left whole by another worker
                 shutil.rmtree(partial)
@@ -160,22 +180,46 @@ class AdapterDisk:
                 found.append(Entry(folder.name, size, marker.stat().st_mtime))
         return found
 
-    def make_room(self, needed: int, keep: str,
-                  unload: Callable[[str], bool] | None = None) -> Room:
-        """Evict the least recently used fetched adapters until ``needed`` more bytes fit under
-        the bound. vLLM keeps a resolved adapter's name and path until it stops, and reads its
-        files again after it dropped the weights from memory (``MAX_CPU_LORAS``): one this
+    def in_flight(self) -> int:
+        """The bytes the fetches under way will add (their reservations); a half folder whose
+        fetch is gone (killed halfway: its lock went with it) counts for nothing."""
+        total = 0
+        partials = self.root / ".partial"
+        if not partials.is_dir():
+            return 0
+        for folder in partials.iterdir():
+            if folder.name.startswith("."):  # an adapter being evicted
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                reserved = int((folder / RESERVED).read_text())
+                if self._fetched_now(folder.name.split("+", 1)[0]):
+                    total += reserved
+        return total
+
+    def reserve(self, name: str, needed: int,
+                unload: Callable[[str], bool] | None = None) -> Room:
+        """Make room for ``needed`` more bytes of ``name`` under the bound, and the folder its
+        fetch writes (with the reservation, so that a fetch of another adapter counts these
+        bytes from now on). Call inside :meth:`fetching`.
+
+        The least recently used fetched adapters are evicted until the new one and the fetches
+        under way fit. vLLM keeps a resolved adapter's name and path until it stops, and reads
+        its files again after it dropped the weights from memory (``MAX_CPU_LORAS``): one this
         process holds (:meth:`hold`) goes only once ``unload`` took it out of this process's
-        vLLM (True), and one another process holds is kept, whatever its age. ``keep`` is
-        never evicted. Two workers making room at once take turns (``.locks/.evict``)."""
+        vLLM (True), and one another process holds is kept, whatever its age. ``name`` is
+        never evicted. Two workers reserving at once take turns (``.locks/.evict``)."""
         evicted: list[str] = []
+        self.drop_partials(name)
         with _flock(self._lock_path("", "evict"), fcntl.LOCK_EX):
+            # The fetches under way first: one that ends meanwhile (renamed into place, outside
+            # this lock) is then counted twice, never not at all.
+            coming = self.in_flight()
             entries = self.entries()
-            missing = to_free(entries, needed, self.bound)
+            missing = to_free(entries, needed + coming, self.bound)
             for entry in lru_first(entries):
                 if missing <= 0:
                     break
-                if entry.name == keep:
+                if entry.name == name:
                     continue
                 if entry.name in self._held:
                     if unload is None or not unload(entry.name):
@@ -184,7 +228,10 @@ class AdapterDisk:
                 if self._evict(entry.name):
                     evicted.append(entry.name)
                     missing -= entry.size
-        return Room(tuple(evicted), max(missing, 0))
+            partial = self.root / ".partial" / f"{name}+{os.getpid()}+{next(_counter)}"
+            partial.mkdir(parents=True)
+            (partial / RESERVED).write_text(str(needed))
+        return Room(partial, tuple(evicted), max(missing, 0))
 
     def _evict(self, name: str) -> bool:
         """Remove ``name``'s folder unless someone holds it; renamed away first, so that no one

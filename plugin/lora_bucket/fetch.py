@@ -128,7 +128,7 @@ class Fetcher:
                 f"The adapter {name!r} in {prefix} takes {size} bytes, more than "
                 f"LORA_ADAPTERS_DISK_GIB allows the fetched adapters ({self.disk.bound} "
                 "bytes). Fix: raise LORA_ADAPTERS_DISK_GIB.")
-        room = self.disk.make_room(size, keep=name, unload=self.unload)
+        room = self.disk.reserve(name, size, unload=self.unload)
         if room.evicted:
             self.log(f"LoRA adapters evicted from {self.disk.root} to make room for "
                      f"{name!r}: {', '.join(room.evicted)}")
@@ -151,7 +151,7 @@ class Fetcher:
                         f"({os.path.getsize(target)} bytes, listed {expected}); the next job "
                         "naming the adapter tries again.")
 
-        path = self.disk.install(name, source.uri(name), size, write)
+        path = self.disk.install(name, room, source.uri(name), size, write)
         self.log(f"LoRA adapter {name!r} fetched from {source.uri(name)} into {path} "
                  f"({len(files)} files, {size} bytes)")
         return path
