@@ -178,37 +178,44 @@ def test_the_watchdog_kills_vllms_group_once_the_worker_is_killed(
         os.kill(holder.forked, 0)  # still there: the group died without its end
 
 
+def with_watchdog(argv: list[str], env: dict[str, str]) -> tuple[VllmProcess, int, int]:
+    """vLLM's stand-in, started as the worker starts vLLM, once it and its watchdog are both
+    up in its group: the process, its pid and the watchdog's."""
+    process = VllmProcess(argv, env, echo=io.StringIO())
+    process.start()
+    pid = process.pid
+    assert pid is not None
+    try:
+        wait_until(lambda: len(group_members(pid)) == 2,
+                   "vLLM's stand-in and its watchdog were never both up")
+    except BaseException:
+        process.stop(grace=1.0)
+        raise
+    [watchdog] = [member for member in group_members(pid) if member != pid]
+    return process, pid, watchdog
+
+
 def test_the_watchdog_outlives_a_stops_sigterm_and_leaves_quietly_when_released(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    process = VllmProcess([sys.executable, "-c", "import time; time.sleep(3600)"], {},
-                          echo=io.StringIO())
-    process.start()
-    assert process.pid is not None
+    process, pid, watchdog = with_watchdog([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                           {})
     try:
-        wait_until(lambda: len(group_members(process.pid or 0)) == 2,
-                   "vLLM's stand-in and its watchdog were never both up")
-        [watchdog] = [pid for pid in group_members(process.pid) if pid != process.pid]
-        os.killpg(process.pid, signal.SIGTERM)  # what a stop sends first
+        os.killpg(pid, signal.SIGTERM)  # what a stop sends first
         wait_until(lambda: process.returncode is not None,
                    "the stand-in never ended on its SIGTERM")
-        assert group_members(process.pid) == [watchdog]  # the guard stays while it may matter
+        assert group_members(pid) == [watchdog]  # the guard stays while it may matter
     finally:
         process.stop(grace=1.0)  # nothing of vLLM left: the watchdog is released
-    assert group_members(process.pid) == []
+    assert group_members(pid) == []
     assert WATCHDOG_LINE not in capfd.readouterr().err  # released, it killed nothing
 
 
 def test_vllms_argv_is_its_own_and_the_watchdog_gets_no_secret() -> None:
     argv = [sys.executable, "-c", "import time; time.sleep(3600)", "--api-key", "***"]
-    process = VllmProcess(argv, {"HF_TOKEN": "hf_SECRETVALUE"}, echo=io.StringIO())
-    process.start()
-    assert process.pid is not None
+    process, pid, watchdog = with_watchdog(argv, {"HF_TOKEN": "hf_SECRETVALUE"})
     try:
-        wait_until(lambda: len(group_members(process.pid or 0)) == 2,
-                   "vLLM's stand-in and its watchdog were never both up")
-        [watchdog] = [pid for pid in group_members(process.pid) if pid != process.pid]
-        assert Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")[:-1] == [
+        assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1] == [
             arg.encode() for arg in argv]
         environ = Path(f"/proc/{watchdog}/environ").read_bytes().split(b"\0")[:-1]
         assert [name.split(b"=")[0] for name in environ] in ([], [b"LD_LIBRARY_PATH"])
