@@ -85,7 +85,7 @@ from tests.fake_job_api import FakeJobApi, JobRecord  # noqa: E402
 from tests.fake_platform import FakePlatform  # noqa: E402
 from tests.fake_vllm import free_port  # noqa: E402
 from tests.lb_worker import start_lb_worker  # noqa: E402
-from tests.proc_stats import cpu_seconds  # noqa: E402
+from tests.proc_stats import cpu_seconds, schedstat, tcp_retransmissions  # noqa: E402
 from tests.soak import percentile  # noqa: E402
 from tests.tiny_model import script_env  # noqa: E402
 from tests.worker_process import WorkerProcess, base_env, wait_until  # noqa: E402
@@ -183,23 +183,6 @@ def bench_serve(vllm: str, env: dict[str, str], args: argparse.Namespace, *, bas
         result["client_waited_ms"] = (marks[1][1] - marks[0][1]) / 1e6
     return result
 
-
-def schedstat(pid: int) -> tuple[int, int]:
-    """A thread's ``/proc/<pid>/schedstat`` (``pid``: a process's main thread): its ns on a CPU,
-    and its ns waiting on a run queue, runnable."""
-    with contextlib.suppress(OSError, ValueError):
-        on_cpu, waited, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
-        return int(on_cpu), int(waited)
-    return 0, 0
-
-
-def tcp_retransmissions() -> int:
-    """The machine's TCP segments retransmitted so far (``/proc/net/snmp``'s RetransSegs)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        rows = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()
-                if line.startswith("Tcp:")]
-        return int(rows[1][rows[0].index("RetransSegs")])
-    return 0
 
 
 #: A job's first token, stage by stage: (the key of its figures, its name in the table, from,

@@ -6,8 +6,10 @@ cost the worker nothing and need no hook in it. Linux only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _ESTABLISHED = "01"
@@ -18,6 +20,24 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def schedstat(pid: int) -> tuple[int, int]:
+    """A thread's ``/proc/<pid>/schedstat`` (``pid``: a process's main thread): its ns on a CPU,
+    and its ns waiting on a run queue, runnable."""
+    with contextlib.suppress(OSError, ValueError):
+        on_cpu, waited, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+        return int(on_cpu), int(waited)
+    return 0, 0
+
+
+def tcp_retransmissions() -> int:
+    """The machine's TCP segments retransmitted so far (``/proc/net/snmp``'s RetransSegs)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        rows = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()
+                if line.startswith("Tcp:")]
+        return int(rows[1][rows[0].index("RetransSegs")])
+    return 0
 
 
 def status_kb(pid: int, field: str) -> int:

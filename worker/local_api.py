@@ -114,7 +114,8 @@ class LocalApi:
         }
 
     def export(self, environ: MutableMapping[str, str]) -> None:
-        """Set :meth:`webhooks` (and a worker id) in ``environ`` (``os.environ``)."""
+        """Set :meth:`webhooks` (and a worker id) in ``environ`` (the process's, by the CLI,
+        before the SDK is imported)."""
         environ.update(self.webhooks())
         environ.setdefault("RUNPOD_POD_ID", WORKER_ID)
 

@@ -242,4 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ignored:
         logger.warning("local mode serves Runpod's routes itself: ignoring %s",
                        " ".join(ignored))
-    return worker.run_local(LocalApi(host, port))
+    api = LocalApi(host, port)
+    api.export(os.environ)  # before the SDK is imported: it reads them then
+    return worker.run_local(api)

@@ -22,7 +22,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -124,8 +123,8 @@ class QueueWorker:
 
     def run_local(self, api: LocalApi) -> int:
         """Start, then the same job loop as :meth:`run_serverless`, against Runpod's routes
-        on localhost (:mod:`worker.local_api`) instead of the platform."""
-        api.export(os.environ)  # before the SDK is imported: it reads them then
+        on localhost (:mod:`worker.local_api`) instead of the platform; the SDK's variables
+        point at ``api`` already (:meth:`LocalApi.export`, by the CLI)."""
         try:
             outcome = asyncio.run(self._interruptible(self._prestart()))
             if outcome is None:
