@@ -266,7 +266,7 @@ def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally
 
     error = record.error
     if (error is not None and error.get("type") == "backend_unavailable"
-            and expect.outcome == "result" and windows.hit(record, "vllm")):
+            and _reaches_vllm(expect) and windows.hit(record, "vllm")):
         tally.outcomes["backend_unavailable (vLLM listener restart)"] += 1
         if expect.events is not None:
             _check_stream_events(record, plan, True, tally)
@@ -302,6 +302,16 @@ def check_fake_job(plan: Plan, record: JobRecord, windows: Windows, tally: Tally
     if clean and record.done_at is not None and record.taken_at is not None:
         added = record.done_at - record.taken_at - expect.backend_seconds
         tally.added.setdefault(plan.phase, []).append(added)
+
+
+def _reaches_vllm(expect: Expect) -> bool:
+    """Whether a vLLM listener restart can end this job as backend_unavailable: any job the
+    worker sends on to vLLM (a result, vLLM's own error, a timeout) but one that ends so
+    anyway. The restart closes vLLM's idle pooled connections all at once, so the worker's
+    one resend may also meet a closed one; an invalid job never reaches vLLM."""
+    return expect.outcome == "result" or (
+        expect.outcome == "error"
+        and expect.error_type not in ("invalid_request", "backend_unavailable"))
 
 
 def send_failures(log: str) -> dict[str, list[str]]:
