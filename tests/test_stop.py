@@ -33,7 +33,13 @@ from tests.fake_vllm import fake_vllm_env, free_port
 from tests.lb_worker import start_lb_worker
 from tests.worker_process import ROOT, WorkerProcess, base_env, wait_until
 from worker.config.settings import Settings
-from worker.config.stop import EXIT_MARGIN, VLLM_STOP_MAX, StopClock, stop_budget
+from worker.config.stop import (
+    DEAD_VLLM_GRACE,
+    EXIT_MARGIN,
+    VLLM_STOP_MAX,
+    StopClock,
+    stop_budget,
+)
 from worker.start.supervisor import VllmProcess, group_members
 
 WATCHDOG_LINE = "vLLM's watchdog: the worker is gone; SIGKILL to vLLM's process group"
@@ -84,6 +90,16 @@ def test_the_stop_clock_counts_from_the_first_sigterm() -> None:
     assert clock.signal(now=103.0) == pytest.approx(109)  # the first SIGTERM counts
     assert clock.vllm_grace(now=104.5) == pytest.approx(4.5)  # after a drain of 4.5 s
     assert clock.vllm_grace(now=112.0) == 0.0  # a drain that overran: SIGKILL at once
+
+
+def test_what_is_left_of_a_dead_vllm_gets_a_second() -> None:
+    """vLLM's main process died on its own: its group has no server to shut down, so both
+    modes give it DEAD_VLLM_GRACE, never more than the grace leaves."""
+    clock = StopClock(stop_budget(10, 30))
+    clock.vllm_died = True
+    assert clock.vllm_grace(now=500.0) == DEAD_VLLM_GRACE == 1.0
+    clock.signal(now=100.0)
+    assert clock.vllm_grace(now=108.5) == pytest.approx(0.5)
 
 
 def test_the_defaults_drain_for_4_5_s_of_dockers_10() -> None:

@@ -103,8 +103,7 @@ class LoadBalancerWorker:
             return asyncio.run(self._run())
         finally:
             if self.startup.process is not None:  # within what WORKER_STOP_GRACE leaves
-                self.startup.process.stop(grace=self._stop.vllm_grace(time.monotonic())
-                                          if self._exit_code == 0 else 1.0)
+                self.startup.process.stop(grace=self._stop.vllm_grace(time.monotonic()))
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -222,6 +221,7 @@ class LoadBalancerWorker:
         logger.error("%s", self._error.message)
         self.state = State.DEAD
         self._exit_code = 1
+        self._stop.vllm_died = True
         # Requests in flight see their connection to vLLM end and answer with the error.
         self._done.set()
 

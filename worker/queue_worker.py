@@ -47,8 +47,6 @@ from worker.start.startup import StartOutcome, Startup
 logger = logging.getLogger("worker")
 
 _DEATH_DRAIN_TIMEOUT = 1.5
-#: Seconds what is left of vLLM's group gets after vLLM died: it has no server to shut down.
-DEAD_VLLM_GRACE = 1.0
 
 ProxyFactory = Callable[[str | None, BackendFailureProbe], Proxy]
 """A proxy for the served model's default name, with the probe that tells vLLM's death."""
@@ -78,7 +76,6 @@ class QueueWorker:
         self._pacer: Pacer | None = None
         self._capacity: Capacity | None = None
         self._stop = StopClock(settings.stop)
-        self._vllm_died = False
 
     def _default_proxy(self, served_model: str | None, probe: BackendFailureProbe) -> Proxy:
         launch = self.startup.launch
@@ -174,12 +171,7 @@ class QueueWorker:
     def stop_vllm(self) -> None:
         """Stop vLLM's group within what the platform's grace leaves (WORKER_STOP_GRACE)."""
         if self.startup.process is not None:
-            self.startup.process.stop(grace=self._vllm_grace())
-
-    def _vllm_grace(self) -> float:
-        """Seconds vLLM's group gets between SIGTERM and SIGKILL, were its stop to begin now."""
-        grace = self._stop.vllm_grace(time.monotonic())
-        return min(grace, DEAD_VLLM_GRACE) if self._vllm_died else grace
+            self.startup.process.stop(grace=self._stop.vllm_grace(time.monotonic()))
 
     def _signalled(self) -> None:
         """SIGTERM/SIGINT: the whole stop must end within WORKER_STOP_GRACE of now."""
@@ -339,7 +331,7 @@ class QueueWorker:
         logger.error("%s", reason)
         proxy.mark_backend_dead(reason)
         self._exit_code = 1
-        self._vllm_died = True
+        self._stop.vllm_died = True
         jobs.stop(_DEATH_DRAIN_TIMEOUT)
 
     async def _vllm_failure(self) -> str | None:

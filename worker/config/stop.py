@@ -31,6 +31,8 @@ VLLM_SHARE = 5.0
 #: Seconds vLLM's group gets at most, however long the grace: a vLLM that hangs in its stop
 #: does not hold the worker beyond what a stop ever took.
 VLLM_STOP_MAX = 15.0
+#: Seconds what is left of vLLM's group gets once vLLM died: it has no server to shut down.
+DEAD_VLLM_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,16 @@ class StopClock:
             self.signalled_at = now
         return self.signalled_at + self.budget.vllm_grace(0.0)
 
+    vllm_died: bool = False
+    """vLLM's main process exited on its own: what is left of its group gets at most
+    :data:`DEAD_VLLM_GRACE`."""
+
     def vllm_grace(self, now: float) -> float:
         """Seconds vLLM's group gets between its SIGTERM and its SIGKILL, were its stop to
         begin at ``now`` (all of vLLM's share when no signal asked for the stop)."""
         since = 0.0 if self.signalled_at is None else now - self.signalled_at
-        return self.budget.vllm_grace(since)
+        grace = self.budget.vllm_grace(since)
+        return min(grace, DEAD_VLLM_GRACE) if self.vllm_died else grace
 
 
 def stop_budget(grace: float, drain_timeout: float) -> StopBudget:
