@@ -87,6 +87,7 @@ from tests.fake_vllm import free_port  # noqa: E402
 from tests.lb_worker import start_lb_worker  # noqa: E402
 from tests.proc_stats import cpu_seconds, schedstat, tcp_retransmissions  # noqa: E402
 from tests.soak import percentile  # noqa: E402
+from tests.test_e2e_routes import sample_sum  # noqa: E402
 from tests.tiny_model import script_env  # noqa: E402
 from tests.worker_process import WorkerProcess, base_env, wait_until  # noqa: E402
 
@@ -184,7 +185,6 @@ def bench_serve(vllm: str, env: dict[str, str], args: argparse.Namespace, *, bas
     return result
 
 
-
 #: A job's first token, stage by stage: (the key of its figures, its name in the table, from,
 #: to), each mark a time on the clock every process of the machine shares: the job API's
 #: hand-out ("api_taken") and its receipt of the first stream POST ("api_posted"), the
@@ -256,16 +256,11 @@ def cpu_per_1000(run: Run) -> float:
     return 1000 * 1000 * run.worker_cpu_s / tokens if tokens else float("nan")
 
 
-_TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)\{[^}]*\} (\S+)$", re.M)
-
-
 def engine_ttft(vllm_url: str) -> tuple[float, float]:
     """vLLM's own histogram of the time to first token so far: its sum (s) and count."""
     text = httpx.get(f"{vllm_url}/metrics", timeout=60).text
-    found = {"sum": 0.0, "count": 0.0}
-    for kind, value in _TTFT.findall(text):
-        found[kind] += float(value)
-    return found["sum"], found["count"]
+    return (sample_sum(text, "vllm:time_to_first_token_seconds_sum"),
+            sample_sum(text, "vllm:time_to_first_token_seconds_count"))
 
 
 def served(serve: Callable[..., dict[str, Any]], vllm_url: str, **kwargs: Any) -> Run:

@@ -87,6 +87,14 @@ class AdapterDisk:
     def path(self, name: str) -> Path:
         return self.root / name
 
+    @property
+    def _partials(self) -> Path:
+        return self.root / ".partial"
+
+    def _partial_path(self, name: str, prefix: str = "") -> Path:
+        """A folder of its own under ``.partial`` for this process's work on ``name``."""
+        return self._partials / f"{prefix}{name}+{os.getpid()}+{next(_counter)}"
+
     def _lock_path(self, name: str, what: str) -> Path:
         locks = self.root / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
@@ -99,14 +107,8 @@ class AdapterDisk:
     def _fetched_now(self, name: str) -> bool:
         """Whether a fetch of ``name`` is under way (its ``.fetch`` lock is held, by any
         process, this one included)."""
-        fd = os.open(self._lock_path(name, "fetch"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        with _try_flock(self._lock_path(name, "fetch"), fcntl.LOCK_SH) as free:
+            return not free
 
     @contextlib.contextmanager
     def fetching(self, name: str) -> Iterator[None]:
@@ -120,7 +122,7 @@ class AdapterDisk:
         its files again): no one evicts it meanwhile. Taken before the folder is looked at."""
         if name in self._held:
             return
-        fd = os.open(self._lock_path(name, "use"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(self._lock_path(name, "use"))
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while someone evicts it
         self._held[name] = fd
 
@@ -160,9 +162,8 @@ class AdapterDisk:
     def drop_partials(self, name: str) -> None:
         """Remove what fetches of ``name`` cut off halfway left (call inside
         :meth:`fetching`)."""
-        partials = self.root / ".partial"
-        if partials.is_dir():
-            for stale in partials.glob(f"{name}+*"):
+        if self._partials.is_dir():
+            for stale in self._partials.glob(f"{name}+*"):
                 shutil.rmtree(stale, ignore_errors=True)
 
     # -- the bound --------------------------------------------------------------------------
@@ -184,10 +185,9 @@ class AdapterDisk:
         """The bytes the fetches under way will add (their reservations); a half folder whose
         fetch is gone (killed halfway: its lock went with it) counts for nothing."""
         total = 0
-        partials = self.root / ".partial"
-        if not partials.is_dir():
+        if not self._partials.is_dir():
             return 0
-        for folder in partials.iterdir():
+        for folder in self._partials.iterdir():
             if folder.name.startswith("."):  # an adapter being evicted
                 continue
             with contextlib.suppress(OSError, ValueError):
@@ -228,7 +228,7 @@ class AdapterDisk:
                 if self._evict(entry.name):
                     evicted.append(entry.name)
                     missing -= entry.size
-            partial = self.root / ".partial" / f"{name}+{os.getpid()}+{next(_counter)}"
+            partial = self._partial_path(name)
             partial.mkdir(parents=True)
             (partial / RESERVED).write_text(str(needed))
         return Room(partial, tuple(evicted), max(missing, 0))
@@ -236,13 +236,10 @@ class AdapterDisk:
     def _evict(self, name: str) -> bool:
         """Remove ``name``'s folder unless someone holds it; renamed away first, so that no one
         finds it half removed."""
-        fd = os.open(self._lock_path(name, "use"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+        with _try_flock(self._lock_path(name, "use"), fcntl.LOCK_EX) as taken:
+            if not taken:
                 return False
-            trash = self.root / ".partial" / f".evicted-{name}+{os.getpid()}+{next(_counter)}"
+            trash = self._partial_path(name, prefix=".evicted-")
             trash.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(self.path(name), trash)
@@ -250,15 +247,34 @@ class AdapterDisk:
                 return False
             shutil.rmtree(trash, ignore_errors=True)
             return True
-        finally:
-            os.close(fd)
+
+
+def _open_lock(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
 
 @contextlib.contextmanager
 def _flock(path: Path, mode: int) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold ``path``'s lock in ``mode``, waiting for it."""
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, mode)
         yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _try_flock(path: Path, mode: int) -> Iterator[bool]:
+    """Hold ``path``'s lock in ``mode`` if no one holds it against that mode: whether it was
+    taken (not waiting for it)."""
+    fd = _open_lock(path)
+    try:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)

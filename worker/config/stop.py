@@ -57,16 +57,15 @@ class StopClock:
 
     budget: StopBudget
     signalled_at: float | None = None
+    vllm_died: bool = False
+    """vLLM's main process exited on its own: what is left of its group gets at most
+    :data:`DEAD_VLLM_GRACE`."""
 
     def signal(self, now: float) -> float:
         """The SIGTERM, seen at ``now``: the time by which vLLM's group must be gone."""
         if self.signalled_at is None:
             self.signalled_at = now
         return self.signalled_at + self.budget.vllm_grace(0.0)
-
-    vllm_died: bool = False
-    """vLLM's main process exited on its own: what is left of its group gets at most
-    :data:`DEAD_VLLM_GRACE`."""
 
     def vllm_grace(self, now: float) -> float:
         """Seconds vLLM's group gets between its SIGTERM and its SIGKILL, were its stop to
