@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Rewrite the generated tables of docs/configuration.md and docs/jobs.md from the code, so
-that the two never disagree.
+"""Rewrite the generated tables of docs/ (:data:`PAGES`) from the code, so that the two never
+disagree.
 
     python scripts/gen_docs.py          # rewrite the pages in place
     python scripts/gen_docs.py --check  # exit 1 (and say which) when a page is stale
@@ -9,11 +9,20 @@ Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` marker
 text between them is replaced. The sources, in docs/configuration.md:
 
 * ``settings``: the rows of :data:`worker.config.settings.SETTINGS` an endpoint sets;
+
+in docs/development.md:
+
 * ``internal-settings``: its rows the image, the tests and the maintainers' tools set;
+
+in docs/names.md:
+
 * ``aliases``: :data:`worker.config.command.ALIASES` (names kept from earlier releases);
 * ``reserved``: the flags the worker pins or refuses (:mod:`worker.config.command`);
 * ``retired``: :data:`worker.config.names.RETIRED` (variables of flags vLLM removed);
 * ``earlier``: :data:`worker.config.names.EARLIER_NAMES` (names the earlier worker read itself);
+
+in docs/versions.md:
+
 * ``versions``: the flags that some vLLM of the supported range lacks, from the packaged
   catalogs (:mod:`worker.config.versions`), with the versions that have each;
 
@@ -197,7 +206,10 @@ SECTIONS: dict[str, Callable[[], str]] = {
 }
 #: The pages with generated tables, and their tables.
 PAGES: dict[str, dict[str, Callable[[], str]]] = {
-    "configuration.md": SECTIONS,
+    "configuration.md": {"settings": settings_table},
+    "names.md": {name: SECTIONS[name] for name in ("aliases", "reserved", "retired", "earlier")},
+    "versions.md": {"versions": versions_table},
+    "development.md": {"internal-settings": internal_settings_table},
     "jobs.md": {"sampling-params": sampling_params_table, "version-fields": version_fields_table},
 }
 

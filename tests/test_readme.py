@@ -168,7 +168,8 @@ ERRORS = "errors.md"
 
 
 # -- generated tables --------------------------------------------------------------------
-@pytest.mark.parametrize("page", [CONFIGURATION, "jobs.md"])
+@pytest.mark.parametrize("page", [CONFIGURATION, "jobs.md", "names.md", "versions.md",
+                                  "development.md"])
 def test_generated_tables_are_current(page: str) -> None:
     module = load_gen_docs()
     text = docs.page(page)
@@ -197,10 +198,11 @@ def test_gen_docs_check_fails_on_a_stale_table(monkeypatch: pytest.MonkeyPatch,
     assert stale.read_text() == text
 
 
-@pytest.mark.parametrize(("marker", "internal"), [("settings", False),
-                                                  ("internal-settings", True)])
-def test_each_settings_table_has_one_row_per_setting(marker: str, internal: bool) -> None:
-    text = docs.page(CONFIGURATION)
+@pytest.mark.parametrize(("page", "marker", "internal"), [
+    (CONFIGURATION, "settings", False), ("development.md", "internal-settings", True)])
+def test_each_settings_table_has_one_row_per_setting(page: str, marker: str,
+                                                    internal: bool) -> None:
+    text = docs.page(page)
     table = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == [s.env for s in SETTINGS

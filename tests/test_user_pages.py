@@ -5,8 +5,8 @@ A user page names no part of the project's code: no source path (``worker/jobs/h
 constant (``worker.config.names.FOREIGN_PREFIXES``, ``rp_http._transmit``), no commit hash and
 no issue number; and none is longer than a reader reads in one sitting (250 lines). HTML
 comments are the developers' (a claim's test is named there) and are not read. The scripts a
-user runs (``scripts/run_local.sh``, ``scripts/test.sh``, ``scripts/download_model.py``, ...)
-may be named.
+user runs (``scripts/run_local.sh``, ``scripts/test.sh``, the adapters' plug-in on a base of
+their own) may be named.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from tests import docs
 MAX_LINES = 250
 
 #: The scripts a user of the image runs: named on user pages as commands.
-USER_SCRIPTS = frozenset({"run_local.sh", "test.sh", "setup.sh", "prerequisites.sh",
-                          "download_model.py", "gen_docs.py"})
+USER_SCRIPTS = frozenset({"run_local.sh", "test.sh", "install_adapter_plugin.py"})
 
 #: The project's own Python packages and modules (and the SDK's), whose dotted names are code.
 _CODE_DIRS = ("worker", "plugin", "tests")
@@ -82,11 +81,12 @@ def internals(text: str) -> list[str]:
         if match[0].startswith("scripts/") and match[0].split("/")[-1] in USER_SCRIPTS:
             continue
         found.append(f"source path: {match[0]}")
-    for match in re.finditer(r"(?<![\w.-])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", text):
+    # Fenced blocks show what a program prints: its loggers' names, the Hub's revisions.
+    prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.S | re.M)
+    for match in re.finditer(r"(?<![\w.-])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", prose):
         first, *rest = match[0].split(".")
         if _is_code_name(first, rest):
             found.append(f"code name: {match[0]}")
-    prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.S | re.M)  # log lines: the Hub's revisions
     for match in re.finditer(r"\b[0-9a-f]{7,40}\b(?!-)", prose):
         if re.search(r"[a-f]", match[0]) and re.search(r"\d", match[0]):
             found.append(f"commit hash: {match[0]}")
@@ -128,7 +128,7 @@ def test_an_internal_is_found(text: str, what: str) -> None:
     "a file `hub.json`, `model.safetensors`, `config.json`, 1200000 tokens, docs.runpod.io",
     "the form's `files.file.data`, `--compilation-config.mode 3`, `/opt/worker/bin/python`",
     "[the first job](#4-the-first-job), job 0f6c1a2e-... submitted",
-    "```text\nmain is at 0e6b36e1f5a2\n```",
+    "```text\nmain is at 0e6b36e1f5a2\nWARNING worker.loop: late\n```",
     "* a list item:\n\n  ```text\n  main is at 0e6b36e1f5a2\n  ```\n",
     "<!-- tests/test_x.py::test_y -->",
     "[vLLM](https://docs.vllm.ai/en/latest/configuration/engine_args/#abc1234)",

@@ -193,11 +193,11 @@ def test_the_packaged_history_reads_every_catalog() -> None:
     assert history.options["MAX_MODEL_LEN"] == "--max-model-len"
 
 
-def test_the_configuration_pages_example_is_what_the_oldest_vllm_gets() -> None:
+def test_the_versions_pages_example_is_what_the_oldest_vllm_gets() -> None:
     oldest = FlagCatalog.load(packaged_catalog_path(versions.OLDEST))
     command = build_command({"MODEL_NAME": "m", "SSE_KEEP_ALIVE_INTERVAL": "10"}, oldest)
     [line] = [w for w in command.warnings if w.startswith("SSE_KEEP_ALIVE_INTERVAL")]
-    assert f"`{line}`" in (PACKAGED_DIR.parents[2] / "docs" / "configuration.md").read_text()
+    assert f"`{line}`" in (PACKAGED_DIR.parents[2] / "docs" / "versions.md").read_text()
 
 
 def test_vllm_0_33s_enable_disable_pairs_map_both_ways() -> None:
