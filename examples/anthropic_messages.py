@@ -49,6 +49,9 @@ def main() -> None:
         max_tokens=64,
         system="You are a concise assistant.",
         messages=[{"role": "user", "content": "Why is the sky blue? One sentence."}],
+        # A thinking model (Qwen3 with REASONING_PARSER=qwen3) answers at once, and max_tokens
+        # goes to the answer: docs/requests.md#thinking-models.
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     for block in message.content:
         if block.type == "text":

@@ -28,6 +28,9 @@ def main() -> None:
         ],
         max_tokens=64,
         temperature=0.7,
+        # A thinking model (Qwen3 with REASONING_PARSER=qwen3) answers at once, and max_tokens
+        # goes to the answer: docs/requests.md#thinking-models.
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     choice = response.choices[0]
     print(choice.message.content)

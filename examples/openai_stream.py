@@ -21,6 +21,9 @@ def main() -> None:
         model=model,
         messages=[{"role": "user", "content": "Write a haiku about the sea."}],
         max_tokens=64,
+        # A thinking model (Qwen3 with REASONING_PARSER=qwen3) answers at once, and max_tokens
+        # goes to the answer: docs/requests.md#thinking-models.
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         stream=True,
         stream_options={"include_usage": True},  # a last chunk with the token counts
     )

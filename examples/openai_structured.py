@@ -25,6 +25,10 @@ SCHEMA = {
     "additionalProperties": False,
 }
 
+#: A thinking model (Qwen3 with REASONING_PARSER=qwen3) answers at once, and max_tokens goes to
+#: the answer: docs/requests.md#thinking-models.
+NO_THINKING = {"enable_thinking": False}
+
 
 def main() -> None:
     client = client_from_env()
@@ -34,13 +38,15 @@ def main() -> None:
         messages=[{"role": "user", "content": "The weather in Paris, as JSON."}],
         response_format={"type": "json_schema",
                          "json_schema": {"name": "weather", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": NO_THINKING},
         max_tokens=64,
     )
     print("json_schema:", json.loads(weather.choices[0].message.content or ""))
     choice = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Is the sea blue?"}],
-        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]},
+                    "chat_template_kwargs": NO_THINKING},
         max_tokens=4,
     )
     print("choice:", choice.choices[0].message.content)

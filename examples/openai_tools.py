@@ -41,6 +41,9 @@ def main() -> None:
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=64,
+        # A thinking model (Qwen3 with REASONING_PARSER=qwen3) answers at once, and max_tokens
+        # goes to the answer: docs/requests.md#thinking-models.
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     for call in response.choices[0].message.tool_calls or []:
         function = call.function

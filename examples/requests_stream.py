@@ -22,7 +22,9 @@ from _endpoint import endpoint_from_env, sse_events, stream_pieces
 DEFAULT_JOB: dict[str, Any] = {
     "input": {
         "messages": [{"role": "user", "content": "Count from one to ten in words."}],
-        "sampling_params": {"max_tokens": 64},
+        # Thinking off (Qwen3 and the like): docs/requests.md#thinking-models.
+        "sampling_params": {"max_tokens": 64,
+                            "chat_template_kwargs": {"enable_thinking": False}},
         "stream": True,
     }
 }
