@@ -405,35 +405,65 @@ def test_what_this_vllm_resolved_is_unloaded_from_it_before_its_files_go(
     assert fetch.fetch("a") == tmp_path / "a"
 
 
-def test_the_unload_is_vllms_route(monkeypatch: pytest.MonkeyPatch) -> None:
+Seen = list[tuple[str, str, str | None]]
+
+
+@contextlib.contextmanager
+def _http_server(answers: dict[str, int]) -> Iterator[tuple[str, Seen]]:
+    """A loopback server answering each POST by its ``lora_name`` (500 for others): its URL,
+    and each request's path, name and ``authorization`` header."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from lora_bucket.resolver import unloader
+    seen: Seen = []
 
-    seen: list[tuple[str, str, str | None]] = []
-
-    class Vllm(BaseHTTPRequestHandler):
+    class Server(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             seen.append((self.path, body["lora_name"], self.headers.get("authorization")))
-            self.send_response({"loaded": 200, "unknown": 404}.get(body["lora_name"], 500))
+            self.send_response(answers.get(body["lora_name"], 500))
             self.send_header("content-length", "0")
             self.end_headers()
 
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        unload = unloader(f"http://127.0.0.1:{server.server_port}", "sk-key")
-        assert [unload(name) for name in ("loaded", "unknown", "broken")] == [True, True, False]
+        yield f"http://127.0.0.1:{server.server_port}", seen
     finally:
         server.shutdown()
+        server.server_close()
+
+
+def test_the_unload_is_vllms_route() -> None:
+    from lora_bucket.resolver import unloader
+
+    with _http_server({"loaded": 200, "unknown": 404}) as (url, seen):
+        unload = unloader(url, "sk-key")
+        assert [unload(name) for name in ("loaded", "unknown", "broken")] == [True, True, False]
     assert seen[0] == ("/v1/unload_lora_adapter", "loaded", "Bearer sk-key")
     from tests.conftest import free_port
 
     assert unloader(f"http://127.0.0.1:{free_port()}")("x") is False  # no vLLM there
+
+
+def test_the_unload_never_goes_through_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a proxy in the environment, the call to this machine's vLLM goes to vLLM: the
+    proxy never sees vLLM's API key, and its answer never counts as an unload."""
+    from lora_bucket.resolver import unloader
+
+    with _http_server({"loaded": 200, "held": 200}) as (proxy, through_proxy), \
+            _http_server({"loaded": 200, "held": 500}) as (vllm, at_vllm):
+        for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxy)
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        unload = unloader(vllm, "sk-key")
+        assert [unload("loaded"), unload("held")] == [True, False]
+    assert through_proxy == []
+    assert at_vllm == [("/v1/unload_lora_adapter", "loaded", "Bearer sk-key"),
+                       ("/v1/unload_lora_adapter", "held", "Bearer sk-key")]
 
 
 def test_a_folder_that_cannot_hold_the_adapter(store: FakeS3, tmp_path: Path) -> None:

@@ -84,14 +84,19 @@ def unloader(url: str, api_key: str | None = None,
     """Takes an adapter out of the vLLM at ``url`` (its ``/v1/unload_lora_adapter``, which
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` opens): True once vLLM no longer has the name (also
     when it never had it: a 404). vLLM forgets the name; a request naming it later is resolved
-    again, and fetched again if its files went."""
+    again, and fetched again if its files went.
+
+    The call never goes through a proxy (``http_proxy`` and the like are not read): it is to
+    this machine's own vLLM, and it carries vLLM's API key."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
     def unload(name: str) -> bool:
         request = urllib.request.Request(
             f"{url}/v1/unload_lora_adapter", data=json.dumps({"lora_name": name}).encode(),
             headers={"content-type": "application/json",
                      **({"authorization": f"Bearer {api_key}"} if api_key else {})})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
+            with opener.open(request, timeout=timeout) as answer:
                 return bool(200 <= answer.status < 300)
         except urllib.error.HTTPError as exc:
             return exc.code == 404
