@@ -90,40 +90,98 @@ def test_a_limit_that_holds_no_character_is_refused() -> None:
         split_text("x" * 100, 15)
 
 
-def _admit_all(budget: ResultBudget, outputs: list[Any]) -> tuple[list[Any], Any]:
-    """The pieces of each output while admitted, and the first refusal (None if none)."""
-    pieces: list[Any] = []
+def _admit_all(budget: ResultBudget, outputs: list[Any]) -> tuple[list[Any], list[Any], Any]:
+    """The pieces posted while admitted, those the result keeps, and the first refusal (None
+    if none), with the budget after them as the last."""
+    posted: list[Any] = []
+    kept: list[Any] = []
     for output in outputs:
         admitted = budget.admit(output)
         if not isinstance(admitted, Admitted):
-            return pieces, admitted
-        pieces.extend(admitted.pieces)
+            return posted, kept, admitted
+        posted.extend(admitted.pieces)
+        kept.extend(admitted.pieces[:admitted.kept])
         budget = admitted.budget
-    return pieces, None
+    return posted, kept, budget
 
 
 @pytest.mark.parametrize(("limit", "outputs", "kept", "refused"), [
     # Up to the limit exactly: the aggregate {"output": [...]} as the job-done POST carries it.
     (100, ["x" * 84], 1, False),          # 14 + 86 = 100
-    (100, ["x" * 85], 0, True),
+    (100, ["x" * 85], 0, False),          # text past it: posted, to /stream only
     (100, ["x" * 40, "y" * 40], 2, False),  # 14 + 42 + 2 + 42 = 100
-    (100, ["x" * 40, "y" * 41], 1, True),
+    (100, ["x" * 40, "y" * 41], 1, False),
+    (100, ["x" * 90, "y"], 0, False),       # once one piece is past it, the rest is too
     (100, [{"k": "v" * 70}], 1, False),   # {"k": "vvv..."} is 81 bytes
-    (100, [{"k": "v" * 80}], 0, True),
+    (100, [{"k": "v" * 80}], 0, True),    # JSON past it: the job fails
 ])
 def test_the_budget_counts_the_result_as_the_job_done_post_carries_it(
     limit: int, outputs: list[Any], kept: int, refused: bool
 ) -> None:
-    pieces, refusal = _admit_all(ResultBudget(limit, piece_limit=PIECE_LIMIT), outputs)
-    assert len(pieces) == kept
-    assert (refusal is not None) is refused
+    posted, held, last = _admit_all(ResultBudget(limit, piece_limit=PIECE_LIMIT), outputs)
+    assert len(held) == kept
+    assert isinstance(last, ResultTooLarge) is refused
     if not refused:
-        body = json.dumps({"output": pieces}, ensure_ascii=False).encode()
+        assert posted == outputs and held == outputs[:kept]
+        body = json.dumps({"output": held}, ensure_ascii=False).encode()
         assert len(body) <= limit
 
 
+def _stream_only_note(result: list[Any]) -> dict[str, Any]:
+    """The error of the SSE event that ends a result whose stream went on at /stream only."""
+    assert isinstance(result[-1], str) and result[-1].startswith("data: ")
+    assert result[-1].endswith("\n\n")
+    error: dict[str, Any] = json.loads(result[-1].removeprefix("data: "))["error"]
+    return error
+
+
+@pytest.mark.parametrize("limit", [RUN_RESULT_LIMIT, RUNSYNC_RESULT_LIMIT])
+def test_a_stream_past_the_limit_keeps_its_beginning_and_says_what_went_to_stream_only(
+    limit: int,
+) -> None:
+    events = [_event(300_000, "é") for _ in range(limit // 600_000 + 8)]  # ~1.2 limits
+    posted, kept, budget = _admit_all(ResultBudget(limit), events)
+    assert isinstance(budget, ResultBudget)
+    assert "".join(posted) == "".join(events)  # /stream gets every piece
+    result = budget.result(kept)
+    body = json.dumps({"output": result}, ensure_ascii=False).encode()
+    assert len(body) <= limit  # the result fits, with the note
+    assert result[:-1] == kept[:len(result) - 1]  # the stream's beginning
+    streamed = "".join(events).encode()
+    held = "".join(result[:-1]).encode()
+    assert streamed.startswith(held)
+    note = _stream_only_note(result)
+    assert (note["type"], note["code"], note["limit"]) == ("result_truncated", 413, limit)
+    assert note["result_bytes"] == len(held)
+    assert note["stream_only_bytes"] == len(streamed) - len(held)
+    assert note["stream_only_pieces"] == len(posted) - len(result) + 1
+    route = "/runsync" if limit == RUNSYNC_RESULT_LIMIT else "/run"
+    for words in (f"{limit // MB} MB", f"{route} job's result", "/stream only",
+                  f"{len(held):,} bytes", f"{len(streamed) - len(held):,} bytes"):
+        assert words in note["message"], words
+
+
+def test_the_note_takes_the_place_of_the_last_pieces_when_the_result_is_full() -> None:
+    # The first two pieces fit the result, the third does not: the note takes the second's place.
+    budget = ResultBudget(3000, piece_limit=1500)
+    posted, kept, last = _admit_all(budget, [_event(1400), _event(1400), _event(1400)])
+    assert isinstance(last, ResultBudget) and len(kept) == 2 and len(posted) == 3
+    result = last.result(kept)
+    assert result[0] == kept[0] and len(result) == 2
+    assert len(json.dumps({"output": result}, ensure_ascii=False).encode()) <= 3000
+    note = _stream_only_note(result)
+    assert note["result_bytes"] == len(kept[0].encode())
+    assert note["stream_only_pieces"] == 2
+    assert note["stream_only_bytes"] == len("".join(posted[1:]).encode())
+
+
+def test_a_stream_within_the_limit_is_its_result_as_it_came() -> None:
+    posted, kept, last = _admit_all(ResultBudget(RUN_RESULT_LIMIT), [_event(100)] * 3)
+    assert isinstance(last, ResultBudget) and last.result(kept) == posted == kept
+
+
 def test_a_refusal_names_the_limit_the_route_and_what_to_do() -> None:
-    _, refusal = _admit_all(ResultBudget.for_job("job-1"), ["x" * (11 * MB)])
+    _, _, refusal = _admit_all(ResultBudget.for_job("job-1"), [{"x": "x" * (11 * MB)}])
     assert isinstance(refusal, ResultTooLarge)
     error = json.loads(refusal.to_json())
     assert (error["type"], error["code"], error["limit"]) == ("result_too_large", 413,
@@ -132,9 +190,9 @@ def test_a_refusal_names_the_limit_the_route_and_what_to_do() -> None:
                   "output_url", "max_tokens",
                   "https://docs.runpod.io/serverless/workers/handler-functions#payload-limits"):
         assert words in error["message"], words
-    _, refusal = _admit_all(ResultBudget.for_job("sync-1"), ["x" * (21 * MB)])
-    assert refusal is not None and "20 MB" in refusal.message and "/runsync job" in \
-        refusal.message and "may hold" not in refusal.message
+    _, _, refusal = _admit_all(ResultBudget.for_job("sync-1"), [{"x": "x" * (21 * MB)}])
+    assert isinstance(refusal, ResultTooLarge) and "20 MB" in refusal.message and \
+        "/runsync job" in refusal.message and "may hold" not in refusal.message
 
 
 def test_split_pieces_are_counted_in_the_result() -> None:
@@ -174,7 +232,9 @@ async def _run_jobs(api: FakeJobApi, handler: Handler, jobs: dict[str, Any],
     (``limits=False``: the SDK given ``handler`` itself, as without the worker's limits)."""
     loop = JobLoop(handler, len(jobs))
     if not limits:
-        loop._scaler.config["handler"] = handler
+        from runpod.serverless.modules import rp_job
+
+        loop._scaler.jobs_handler = rp_job.handle_job
     running = asyncio.create_task(loop.run())
     try:
         for job_id, job_input in jobs.items():
@@ -201,8 +261,9 @@ OUTPUTS: dict[str, list[Any]] = {
     "big piece": [_event(250_000) * 10],
     # A JSON answer of 11 MB (a non-streamed answer is one piece).
     "big answer": [{"text": "x" * (11 * MB)}],
-    # A stream whose pieces fit, but whose result passes 10 MB.
+    # A stream whose pieces fit, but whose result passes 10 MB (and a /runsync job's 20 MB).
     "long stream": [_event(900_000)] * 12,
+    "longer stream": [_event(900_000)] * 24,
 }
 
 
@@ -250,8 +311,36 @@ async def test_nothing_over_a_limit_is_posted_and_no_result_vanishes(api: FakeJo
     assert sync.error is None and sync.done["output"] == OUTPUTS["big answer"]
     assert [(kind, job) for kind, job, _ in api.oversized] == [("job-stream", "sync-answer")]
 
-    # A stream whose result would pass 10 MB: its pieces up to the limit, then the error.
+    # A stream whose result would pass 10 MB: every piece posted to /stream, the job
+    # completed, its result the stream's beginning and the event that says what went on.
     stream = records["stream"]
-    assert stream.error is not None and stream.error["type"] == "result_too_large"
-    assert len(stream.outputs) == 11 and all(piece_size(out) <= PIECE_LIMIT
-                                              for out in stream.outputs)
+    assert stream.error is None and len(stream.outputs) == 12
+    assert all(piece_size(out) <= PIECE_LIMIT for out in stream.outputs)
+    assert "".join(stream.outputs) == "".join(OUTPUTS["long stream"])
+    result = stream.done["output"]
+    assert result[:-1] == stream.outputs[:len(result) - 1]
+    note = _stream_only_note(result)
+    assert note["type"] == "result_truncated" and note["limit"] == RUN_RESULT_LIMIT
+    assert note["stream_only_bytes"] == len("".join(stream.outputs[len(result) - 1:]).encode())
+
+
+async def test_a_stream_past_the_result_limit_completes_and_its_stream_has_every_piece(
+    api: FakeJobApi,
+) -> None:
+    """A /run job's stream of 10.8 MB and a /runsync job's of 21.6 MB, both past their
+    result's limit: each job completes, every piece reached /stream, and each result is
+    within its limit (the fake job API refuses a POST over it), ending with what went to
+    /stream only."""
+    records = await _run_jobs(api, _yielding(_outputs), {
+        "run-stream": "long stream", "sync-stream": "longer stream"}, _is_done)
+    assert api.oversized == []
+    for job_id, limit in (("run-stream", RUN_RESULT_LIMIT), ("sync-stream", RUNSYNC_RESULT_LIMIT)):
+        record = records[job_id]
+        assert record.error is None, record.error
+        assert "".join(record.outputs) == "".join(OUTPUTS[record.input])
+        result = record.done["output"]
+        assert len(json.dumps(record.done, ensure_ascii=False).encode()) <= limit
+        note = _stream_only_note(result)
+        assert note["limit"] == limit
+        assert note["result_bytes"] + note["stream_only_bytes"] == \
+            len("".join(OUTPUTS[record.input]).encode())

@@ -9,6 +9,12 @@ streaming, posting and cancelling jobs stay the SDK's code (``JobScaler.handle_j
 over the worker's own session, :mod:`worker.jobs.jobapi`: the SDK's, plus a bounded retry of
 connections that could not open).
 
+What the SDK posts of a job is its own code too (``rp_http.stream_result`` for each piece,
+``send_result`` at the end), called by :func:`post_job`, the worker's take on the SDK's
+``rp_job.handle_job`` for a generator handler: the SDK's puts every piece into the job's result,
+so that a stream past the result's limit would lose its result; here the result keeps what fits
+(:mod:`worker.jobs.payload`) while ``/stream`` still gets every piece.
+
 Only the SDK's two loops around them are replaced, for their timing: its ``run_jobs`` looks at
 its queue of taken jobs only when a running job ends or every 0.1 s, and its ``get_jobs``
 sleeps a whole second whenever the worker is at its concurrency. Here a taken job's task is
@@ -21,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import IO, Any
 
+from worker.errors import ResultTooLarge
 from worker.jobs import stats, timeline
 from worker.jobs.jobapi import job_api_session
 from worker.jobs.pacer import Pacer
-from worker.jobs.payload import Admitted, ResultBudget
+from worker.jobs.payload import ResultBudget
 
 logger = logging.getLogger("worker.jobloop")
 
@@ -53,14 +61,15 @@ class JobLoop:
         self._stats = stats_options or stats.StatsOptions()
         self._scaler = rp_scale.JobScaler(
             {
-                "handler": within_limits(handler),
+                "handler": handler,
                 "concurrency_modifier": self._concurrency_modifier,
                 # /runsync and /status return the list of everything the handler yielded,
-                # as the reference worker-vllm does.
+                # as the reference worker-vllm does (within the result's limit: post_job).
                 "return_aggregate_stream": True,
                 "rp_args": {},
             }
         )
+        self._scaler.jobs_handler = post_job
         self._stop = asyncio.Event()
         self._drain_timeout = 0.0
         #: Set when a job ends: a take that waits for a free slot goes on at once.
@@ -207,33 +216,46 @@ class JobLoop:
         return False
 
 
-def within_limits(handler: Handler) -> Handler:
-    """``handler`` with its outputs kept within Runpod's payload limits, as the SDK posts them
-    (:mod:`worker.jobs.payload`): text split into pieces below the piece limit; the job failed
-    with ``result_too_large`` instead of posting a result the platform would refuse."""
+async def post_job(session: Any, config: dict[str, Any], job: Job) -> None:
+    """Run ``job`` with ``config["handler"]`` and post what it yields, as runpod 1.12's
+    ``rp_job.handle_job`` does for a generator handler (its ``jobs_handler``), within Runpod's
+    payload limits (:mod:`worker.jobs.payload`): each output is posted to ``/stream`` in pieces
+    below the piece limit; the job's result (``return_aggregate_stream``) holds the pieces that
+    fit its limit, then a line that says what went to ``/stream`` only. An output ``{"error":
+    ...}`` ends the job with that error, and so does a JSON answer that the result cannot hold
+    (``result_too_large``) or an exception of the handler (the SDK's ``run_job_generator``)."""
+    from runpod.serverless.modules import rp_http
 
-    async def limited(job: Job) -> AsyncIterator[Any]:
-        budget = ResultBudget.for_job(job.get("id"))
-        outputs = handler(job)
-        try:
-            async for output in outputs:
-                if isinstance(output, dict) and "error" in output:
-                    yield output  # the SDK ends the job with it
-                    return
-                admitted = budget.admit(output)
-                if not isinstance(admitted, Admitted):
-                    logger.warning("job %s failed: %s", job.get("id"), admitted.message)
-                    yield {"error": admitted.to_json()}
-                    return
-                budget = admitted.budget
-                for piece in admitted.pieces:
-                    yield piece
-        finally:
-            close = getattr(outputs, "aclose", None)  # an async generator's: ends its request
-            if close is not None:
-                await close()
-
-    return limited
+    budget = ResultBudget.for_job(job.get("id"))
+    kept: list[Any] = []
+    error: str | None = None
+    outputs = config["handler"](job)
+    try:
+        async for output in outputs:
+            if isinstance(output, dict) and output.get("error"):
+                error = str(output["error"])
+                break
+            admitted = budget.admit(output)
+            if isinstance(admitted, ResultTooLarge):
+                logger.warning("job %s failed: %s", job.get("id"), admitted.message)
+                error = admitted.to_json()
+                break
+            if admitted.budget.stream_only_pieces and not budget.stream_only_pieces:
+                logger.warning("job %s: its stream passed the %d bytes of its result; the rest "
+                               "goes to /stream only", job.get("id"), budget.limit)
+            budget = admitted.budget
+            kept.extend(admitted.pieces[:admitted.kept])
+            for piece in admitted.pieces:
+                await rp_http.stream_result(session, {"output": piece}, job)
+    except Exception as exc:  # the SDK's run_job_generator: the job fails with it
+        logger.exception("job %s: the handler failed", job.get("id"))
+        error = f"handler: {exc} \ntraceback: {traceback.format_exc()}"
+    finally:
+        close = getattr(outputs, "aclose", None)  # an async generator's: ends its request now
+        if close is not None:
+            await close()
+    result = {"error": error} if error is not None else {"output": budget.result(kept)}
+    await rp_http.send_result(session, result, job, is_stream=True)
 
 
 def start_heartbeat() -> None:

@@ -20,13 +20,18 @@ job tell the worker which route sent it; the platform's ids of ``/runsync`` jobs
 ``sync-`` (the operation reference's example answers, and the job-done URLs of #129), so such
 a job gets 20 MB and every other one 10 MB, the smaller, when its route cannot be told.
 
-What the worker does (:class:`ResultBudget`, wired by :func:`worker.jobs.jobloop.within_limits`):
+What the worker does (:class:`ResultBudget`, wired by :func:`worker.jobs.jobloop.post_job`):
 a text output (a stream's whole SSE events) over the piece limit is split into pieces below it,
 between events where it can (:func:`split_text`), so nothing is refused and the pieces still
-join into vLLM's bytes; an output that would take the job's result past its limit fails the
-job instead, with an error that names the limit and what to do (:func:`too_large`). A JSON
+join into vLLM's bytes. Every piece of text is posted to ``/stream``; the job's result holds
+the stream's pieces from the first for as long as they fit its limit, and once one does not,
+the rest go to ``/stream`` only: the job still completes, and its result ends with an SSE event
+that says so and how much (:meth:`ResultBudget.result`), as an error event, so that a client
+that reads the result as a stream is not handed a cut answer as if it were whole. A JSON
 answer cannot be split without changing what the client gets: it stays one piece, which
-``/status`` and ``/runsync`` hold whole within the result limit.
+``/status`` and ``/runsync`` hold whole within the result limit; one that would take the
+result past it fails the job instead, with an error that names the limit and what to do
+(:func:`too_large`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from worker.errors import ResultTooLarge
@@ -115,36 +120,96 @@ def _cut(text: str, room: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Admitted:
-    """What to yield for one output (its pieces), and the budget after them."""
+    """What to post for one output: its pieces (each to ``/stream``), how many of them from the
+    first the job's result holds too, and the budget after them."""
 
     pieces: Sequence[Any]
+    kept: int
     budget: ResultBudget
 
 
 @dataclass(frozen=True)
 class ResultBudget:
-    """How much of the job's result (its job-done POST) the outputs so far take."""
+    """How much of the job's result (its job-done POST) the outputs so far take, and what of
+    the stream went to ``/stream`` only: its bytes (the text's, UTF-8) and pieces."""
 
     limit: int
     size: int = _RESULT_ENVELOPE
     items: int = 0
     piece_limit: int = PIECE_LIMIT
+    stream_only_bytes: int = 0
+    stream_only_pieces: int = 0
 
     @classmethod
     def for_job(cls, job_id: object) -> ResultBudget:
         return cls(result_limit(job_id))
 
     def admit(self, output: Any) -> Admitted | ResultTooLarge:
-        """The pieces to yield for ``output`` (text split below the piece limit), or the
-        error to fail the job with when they would take its result past the limit."""
-        pieces = split_text(output, self.piece_limit) if isinstance(output, str) else [output]
-        size, items = self.size, self.items
+        """The pieces to post for ``output`` (text split below the piece limit) and how many
+        of them the result holds; text past the limit goes to ``/stream`` only, from the first
+        piece that does not fit on (the result is the stream's beginning). Other output
+        (JSON) that would take the result past the limit: the error to fail the job with."""
+        if not isinstance(output, str):
+            size = self.size + self._added(output)
+            if size > self.limit:
+                return too_large(size, self.limit)
+            return Admitted([output], 1, replace(self, size=size, items=self.items + 1))
+        pieces = split_text(output, self.piece_limit)
+        budget, kept = self, 0
         for piece in pieces:
-            size += encoded_size(piece) + (_ITEM_SEPARATOR if items else 0)
-            items += 1
-        if size > self.limit:
-            return too_large(size, self.limit)
-        return Admitted(pieces, ResultBudget(self.limit, size, items, self.piece_limit))
+            size = budget.size + budget._added(piece)
+            if budget.stream_only_pieces or size > self.limit:
+                budget = replace(budget, stream_only_bytes=budget.stream_only_bytes
+                                 + len(piece.encode()),
+                                 stream_only_pieces=budget.stream_only_pieces + 1)
+            else:
+                budget, kept = replace(budget, size=size, items=budget.items + 1), kept + 1
+        return Admitted(pieces, kept, budget)
+
+    def result(self, kept: Sequence[Any]) -> list[Any]:
+        """The job's result from the outputs it kept (``kept``, as :meth:`admit` said): them,
+        and when some of the stream went to ``/stream`` only, an SSE event that says so, the
+        last pieces given up to ``/stream`` only where the event would not fit otherwise."""
+        if not self.stream_only_pieces:
+            return list(kept)
+        held = list(kept)
+        size, only_bytes, only_pieces = self.size, self.stream_only_bytes, self.stream_only_pieces
+        while True:
+            note = stream_only_note(self.limit, size_of_text(held), only_bytes, only_pieces)
+            if size + encoded_size(note) + (_ITEM_SEPARATOR if held else 0) <= self.limit \
+                    or not held:
+                return [*held, note]
+            last = held.pop()
+            size -= encoded_size(last) + (_ITEM_SEPARATOR if held else 0)
+            only_bytes += size_of_text([last])
+            only_pieces += 1
+
+    def _added(self, output: Any) -> int:
+        """Bytes ``output`` adds to the job-done POST's list."""
+        return encoded_size(output) + (_ITEM_SEPARATOR if self.items else 0)
+
+
+def size_of_text(outputs: Sequence[Any]) -> int:
+    """Bytes of ``outputs`` as a client reads them: text as UTF-8, anything else as JSON."""
+    return sum(len(out.encode()) if isinstance(out, str) else encoded_size(out)
+               for out in outputs)
+
+
+def stream_only_note(limit: int, kept: int, only: int, pieces: int) -> str:
+    """The SSE event that ends the result of a stream whose last ``only`` bytes (``pieces``
+    pieces) went to ``/stream`` only, ``kept`` bytes being in the result."""
+    route = "/runsync" if limit == RUNSYNC_RESULT_LIMIT else "/run"
+    error = {
+        "type": "result_truncated", "code": 413, "limit": limit,
+        "message": (
+            f"The stream passed the {limit // MB} MB Runpod keeps of a {route} job's result "
+            f"({HANDLER_FUNCTIONS_PAGE}): this result holds its first {kept:,} bytes; the "
+            f"other {only:,} bytes ({pieces} piece{'s' if pieces != 1 else ''}) were posted "
+            "to the job's /stream only, where every piece went. Read /stream for the whole "
+            "answer, or send a batch job with an output_url for an answer this large."),
+        "result_bytes": kept, "stream_only_bytes": only, "stream_only_pieces": pieces,
+    }
+    return f"data: {json.dumps({'error': error}, ensure_ascii=False)}\n\n"
 
 
 def too_large(size: int, limit: int) -> ResultTooLarge:
