@@ -26,7 +26,7 @@ in docs/versions.md:
 * ``versions``: the flags that some vLLM of the supported range lacks, from the packaged
   catalogs (:mod:`worker.config.versions`), with the versions that have each;
 
-and in docs/jobs.md:
+and in docs/sampling-params.md:
 
 * ``sampling-params``: :data:`worker.config.request_fields.DOCUMENTED_SAMPLING_PARAMS` and the
   guided-decoding fields, each with its fate in the packaged catalog's vLLM (the fields of its
@@ -210,7 +210,8 @@ PAGES: dict[str, dict[str, Callable[[], str]]] = {
     "names.md": {name: SECTIONS[name] for name in ("aliases", "reserved", "retired", "earlier")},
     "versions.md": {"versions": versions_table},
     "development.md": {"internal-settings": internal_settings_table},
-    "jobs.md": {"sampling-params": sampling_params_table, "version-fields": version_fields_table},
+    "sampling-params.md": {"sampling-params": sampling_params_table,
+                           "version-fields": version_fields_table},
 }
 
 

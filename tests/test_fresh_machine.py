@@ -63,7 +63,7 @@ def processes_in(root: Path) -> list[int]:
 def readme_job() -> dict[str, object]:
     """The job of the README's curl command, as the README writes it."""
     curl = next(block for block in docs.blocks_of(docs.page("README.md"), "bash")
-                if "/runsync" in block)
+                if "127.0.0.1:8000/runsync" in block)
     match = re.search(r"-d '(\{.*\})'", curl, re.S)
     assert match is not None, curl
     job: dict[str, object] = json.loads(match.group(1))

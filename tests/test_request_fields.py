@@ -206,7 +206,8 @@ async def test_a_refused_job_sends_nothing_and_a_mapping_is_logged_once(
 def test_the_jobs_pages_refusal_is_the_workers_words() -> None:
     from tests import docs
 
-    [shown] = [json.loads(block) for block in docs.blocks_of(docs.page("jobs.md"), "json")
+    page = docs.page("sampling-params.md")
+    [shown] = [json.loads(block) for block in docs.blocks_of(page, "json")
                if '"param"' in block]
     error = refusal({"prompt": "Is the sea blue? Answer:",
                      "sampling_params": {"max_tokens": 4, "best_of": 3}})
