@@ -60,7 +60,7 @@ from tests.fake_vllm import free_port  # noqa: E402
 from tests.soak import percentile  # noqa: E402
 from tests.tiny_model import script_env  # noqa: E402
 from tests.worker_process import WorkerProcess, base_env  # noqa: E402
-from worker.jobs.capacity import Load, parse_metrics  # noqa: E402
+from worker.jobs.vllm_metrics import Load, parse_metrics  # noqa: E402
 
 GOAL_AUTO_TO_BEST_FIXED = 0.95
 GOAL_WAITING_P90 = 1.0

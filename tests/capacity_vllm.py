@@ -28,8 +28,11 @@ runs (``vllm/v1/core/sched/scheduler.py``), token-exact and without blocks:
   slower with more sequences, as a GPU's is. Prefill costs nothing more than a step.
 * At the end of the step every running sequence has produced one token (the first token
   comes from the step that admitted it). A request finishes after its ``max_tokens``
-  tokens (finish reason ``length``; there is no end-of-sequence) and frees its KV; a client
-  that goes away aborts its request: its slot and its KV are freed at once.
+  tokens (finish reason ``length``) and frees its KV; a chat that sets no ``max_tokens`` ends
+  on its own (finish reason ``stop``, as at an end-of-sequence token) after a length drawn
+  from a geometric distribution of mean ``CAPACITY_VLLM_ANSWER_MEAN`` (default 60 tokens;
+  seeded by ``CAPACITY_VLLM_SEED``, default 0), or at the context's end; a client that goes
+  away aborts its request: its slot and its KV are freed at once.
 
 Capacity settings: ``--max-num-seqs`` (default 256; vLLM's own default differs by device and
 version: 0.32 gives 128 per rank on a CPU, 256 on a GPU under 70 GiB and 1,024 on a larger one),
@@ -39,9 +42,10 @@ KV cache in tokens from ``CAPACITY_VLLM_KV_TOKENS`` (default ``max_num_seqs`` ×
 default 0.02) and ``CAPACITY_VLLM_PER_SEQ`` (default 0.0). A request's prompt counts
 len(prompt) // 4 + 1 tokens on /v1/completions (a list of token ids, its length), the sum of
 its messages' len(content) // 4, + 8, on /v1/chat/completions; it generates ``max_tokens``
-(or ``max_completion_tokens``) tokens, 16 when the body sets neither (vLLM's default for a
-completion; a chat's is the rest of the context, not modelled). A prompt and ``max_tokens``
-over ``max_model_len`` are refused with vLLM's 400, a model not served with its 404.
+(or ``max_completion_tokens``) tokens, 16 when the body sets neither on a completion (vLLM's
+default), the rest of the context on a chat (which ends on its own before, see above). A
+prompt and ``max_tokens`` over ``max_model_len`` are refused with vLLM's 400, a model not
+served with its 404.
 
 What it prints at start, as vLLM 0.32 does (the worker reads the first line):
 
@@ -56,9 +60,13 @@ the last once it listens. Routes: ``GET /health``, ``GET /v1/models`` (with
 event per token, a usage event when ``stream_options.include_usage``, ``data: [DONE]``; or
 one JSON answer with ``usage``), and ``GET /metrics``: vLLM's Prometheus text for
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
-(the fraction of the KV cache's tokens in use), ``vllm:num_preemptions_total`` and
-``vllm:cache_config_info`` (its labels those of vLLM 0.32's CacheConfig), as
-prometheus_client writes them (:func:`metrics_text`). ``CAPACITY_VLLM_NO_METRICS=1``: /metrics
+(the fraction of the KV cache's tokens in use), ``vllm:num_preemptions_total``,
+``vllm:request_generation_tokens`` (the histogram of the answers' lengths, vLLM's 1-2-5
+buckets up to the context) and ``vllm:cache_config_info`` (its labels those of vLLM 0.32's
+CacheConfig), as prometheus_client writes them (:func:`metrics_text`); and one figure of the
+stand-in's own, ``stand_in:waiting_after_schedule_max``: the most requests a step left
+waiting (not admitted at the step after their arrival), for tests that assert vLLM queued
+none. ``CAPACITY_VLLM_NO_METRICS=1``: /metrics
 answers 404. SIGTERM/SIGINT stop it cleanly.
 
 The worker runs ``VLLM_EXECUTABLE`` as argv[0]: :func:`write_wrapper` writes a ``vllm`` shell
@@ -71,7 +79,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
+import random
 import signal
 import sys
 import time
@@ -88,6 +98,8 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_STEP_SECONDS = 0.02
 DEFAULT_MAX_TOKENS = 16
+#: The mean length of an answer that ends on its own (a chat that sets no max_tokens).
+DEFAULT_ANSWER_MEAN = 60.0
 BLOCK_SIZE = 16
 #: Where vLLM 0.32 logs the KV cache's size (vllm/v1/core/kv_cache_utils.py).
 KV_LINE_SOURCE = "kv_cache_utils.py:2327"
@@ -107,6 +119,8 @@ class EngineConfig:
     kv_tokens: int = DEFAULT_MAX_NUM_SEQS * DEFAULT_MAX_MODEL_LEN
     step_seconds: float = DEFAULT_STEP_SECONDS
     per_seq_cost: float = 0.0
+    answer_mean: float = DEFAULT_ANSWER_MEAN
+    seed: int = 0
 
     @classmethod
     def from_env(cls, max_num_seqs: int, max_model_len: int,
@@ -116,7 +130,10 @@ class EngineConfig:
         return cls(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    kv_tokens=int(kv) if kv else max_num_seqs * max_model_len,
                    step_seconds=float(environ.get("CAPACITY_VLLM_STEP") or DEFAULT_STEP_SECONDS),
-                   per_seq_cost=float(environ.get("CAPACITY_VLLM_PER_SEQ") or 0.0))
+                   per_seq_cost=float(environ.get("CAPACITY_VLLM_PER_SEQ") or 0.0),
+                   answer_mean=float(environ.get("CAPACITY_VLLM_ANSWER_MEAN")
+                                     or DEFAULT_ANSWER_MEAN),
+                   seed=int(environ.get("CAPACITY_VLLM_SEED") or 0))
 
     @property
     def max_concurrency(self) -> float:
@@ -131,6 +148,7 @@ class EngineRequest:
 
     prompt_tokens: int
     max_tokens: int
+    stops: bool = False  # it ends on its own at max_tokens (finish reason "stop")
     generated: int = 0
     finished: bool = False
     aborted: bool = False
@@ -152,7 +170,19 @@ class Engine:
         self.running: list[EngineRequest] = []  # in the order of their (last) admission
         self.preemptions = 0
         self.steps = 0
+        self.answers: list[int] = []  # each finished request's tokens
+        self.waiting_after_schedule_max = 0
+        self._arrived = 0  # requests added since the last schedule
+        self._random = random.Random(config.seed)
         self._wake = asyncio.Event()
+
+    def own_length(self) -> int:
+        """The length of an answer that ends on its own (geometric, at least 1)."""
+        p = 1.0 / max(1.0, self.config.answer_mean)
+        length = 1
+        while self._random.random() >= p:
+            length += 1
+        return length
 
     @property
     def kv_used(self) -> int:
@@ -165,6 +195,7 @@ class Engine:
 
     def add(self, request: EngineRequest) -> None:
         self.waiting.append(request)
+        self._arrived += 1
         self._wake.set()
 
     def abort(self, request: EngineRequest) -> None:
@@ -195,6 +226,10 @@ class Engine:
                 break
             self.running.append(self.waiting.popleft())
             reserved += need
+        # Those that arrived since the last step may wait for this one; any other waits.
+        left = len(self.waiting) - self._arrived
+        self._arrived = 0
+        self.waiting_after_schedule_max = max(self.waiting_after_schedule_max, left)
 
     def step_duration(self) -> float:
         return self.config.step_seconds * (1 + self.config.per_seq_cost * len(self.running))
@@ -207,6 +242,7 @@ class Engine:
             request.generated += 1
             if request.generated >= request.max_tokens:
                 self.running.remove(request)
+                self.answers.append(request.generated)
                 request.finished = True
                 request.tokens.put_nowait(None)
 
@@ -298,7 +334,40 @@ def metrics_text(engine: Engine, model_name: str, started: float) -> str:
               "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
               "# TYPE vllm:cache_config_info gauge",
               f"vllm:cache_config_info{{{_labels(cache_config_labels(engine.config))}}} 1.0"]
+    lines += histogram_lines("vllm:request_generation_tokens",
+                             "Number of generation tokens processed.", labels,
+                             bucket_bounds(engine.config.max_model_len), engine.answers)
+    lines += ["# HELP stand_in:waiting_after_schedule_max The most requests a step left "
+              "waiting.", "# TYPE stand_in:waiting_after_schedule_max gauge",
+              f"stand_in:waiting_after_schedule_max {_float(engine.waiting_after_schedule_max)}"]
     return "\n".join(lines) + "\n"
+
+
+def bucket_bounds(max_value: int) -> list[float]:
+    """vLLM's 1-2-5 buckets up to ``max_value`` (vllm/v1/metrics/buckets.py)."""
+    bounds: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return bounds
+            bounds.append(float(value))
+        exponent += 1
+
+
+def histogram_lines(name: str, help_text: str, labels: str, bounds: Sequence[float],
+                    values: Sequence[float]) -> list[str]:
+    """A histogram as prometheus_client writes it: cumulative buckets (``le`` last among the
+    labels), ``+Inf``, the count and the sum."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for bound in [*bounds, math.inf]:
+        count = sum(1 for value in values if value <= bound)
+        le = "+Inf" if math.isinf(bound) else repr(bound)
+        lines.append(f'{name}_bucket{{{labels},le="{le}"}} {_float(count)}')
+    lines += [f"{name}_count{{{labels}}} {_float(len(values))}",
+              f"{name}_sum{{{labels}}} {_float(sum(values))}"]
+    return lines
 
 
 class BadRequest(Exception):
@@ -346,7 +415,9 @@ def prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
     raise BadRequest(400, "'prompt' must be a string or a list of token ids")
 
 
-def max_tokens_of(body: Mapping[str, Any]) -> int:
+def max_tokens_of(body: Mapping[str, Any], chat: bool = False) -> int | None:
+    """The bound the request sets; vLLM's 16 for a completion that sets none, None for a
+    chat that sets none."""
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is None:
@@ -354,7 +425,7 @@ def max_tokens_of(body: Mapping[str, Any]) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise BadRequest(400, f"{key} must be at least 1, got {value!r}.")
         return value
-    return DEFAULT_MAX_TOKENS
+    return None if chat else DEFAULT_MAX_TOKENS
 
 
 class CapacityVllm:
@@ -431,7 +502,9 @@ class CapacityVllm:
             model = body.get("model")
             if model is not None and model != self.model:
                 raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError")
-            prompt, out = prompt_tokens(body, chat), max_tokens_of(body)
+            prompt, out = prompt_tokens(body, chat), max_tokens_of(body, chat)
+            if out is None:  # a chat with no bound: to the context's end, or its own
+                out = self.config.max_model_len - prompt
             if prompt + out > self.config.max_model_len:
                 raise BadRequest(400, (
                     f"This model's maximum context length is {self.config.max_model_len} "
@@ -443,8 +516,12 @@ class CapacityVllm:
         except BadRequest as error:
             return _error(error)
         engine_request = EngineRequest(prompt, out)
+        if chat and max_tokens_of(body, chat) is None:
+            own = self.engine.own_length()
+            engine_request = EngineRequest(prompt, min(out, own), stops=own <= out)
         self.engine.add(engine_request)
-        answer = _Answer(chat=chat, model=self.model, prompt_tokens=prompt)
+        answer = _Answer(chat=chat, model=self.model, prompt_tokens=prompt,
+                         finish="stop" if engine_request.stops else "length")
         try:
             if body.get("stream"):
                 options = body.get("stream_options")
@@ -489,6 +566,7 @@ class _Answer:
     chat: bool
     model: str
     prompt_tokens: int
+    finish: str = "length"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -503,7 +581,7 @@ class _Answer:
 
     def chunk(self, index: int, last: bool) -> dict[str, Any]:
         """The event of one token (the first chat event also carries the role)."""
-        finish = "length" if last else None
+        finish = self.finish if last else None
         if self.chat:
             delta = {"role": "assistant", "content": TOKEN_TEXT} if index == 0 else \
                 {"content": TOKEN_TEXT}
@@ -523,11 +601,11 @@ class _Answer:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
                                                               "content": text},
-                                      "logprobs": None, "finish_reason": "length",
+                                      "logprobs": None, "finish_reason": self.finish,
                                       "stop_reason": None}
             return {**self._head("chat.completion"), "choices": [choice],
                     "usage": self._usage(generated)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish,
                   "stop_reason": None}
         return {**self._head("text_completion"), "choices": [choice],
                 "usage": self._usage(generated)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from tests.capacity_vllm import (
 )
 from tests.conftest import free_port
 from tests.worker_process import base_env, wait_until
+from worker.jobs.vllm_metrics import parse_metrics
 
 KV_LINE = re.compile(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[kv_cache_utils\.py:\d+\] GPU KV cache "
                      r"size: 65,536 tokens, Maximum concurrency for 2,048 tokens per request: "
@@ -81,7 +83,13 @@ def test_it_prints_vllm_s_start_lines_and_metrics_then_stops_on_sigterm(tmp_path
         assert float(samples.pop("vllm:num_preemptions_created")) > 0
         assert samples == {
             "vllm:num_requests_running": "0.0", "vllm:num_requests_waiting": "0.0",
-            "vllm:kv_cache_usage_perc": "0.0", "vllm:num_preemptions_total": "0.0"}
+            "vllm:kv_cache_usage_perc": "0.0", "vllm:num_preemptions_total": "0.0",
+            "vllm:request_generation_tokens_count": "0.0",
+            "vllm:request_generation_tokens_sum": "0.0"}
+        load = parse_metrics(text)
+        assert load is not None and load.missing == frozenset()  # every name the worker reads
+        assert load.answers is not None and load.answers.bounds[-4:] == (
+            500.0, 1000.0, 2000.0, math.inf)
         assert "# TYPE vllm:num_preemptions_total counter\n" in text
         assert "# TYPE vllm:kv_cache_usage_perc gauge\n" in text
         [info] = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
@@ -323,5 +331,32 @@ async def test_a_client_that_goes_away_frees_its_slot(client: aiohttp.ClientSess
                                     "vllm:kv_cache_usage_perc": 0.0},
                    "the aborted stream's slot and KV were never freed")
         assert server.engine.preemptions == 0
+    finally:
+        await server.stop()
+
+
+async def test_a_chat_with_no_bound_ends_on_its_own_and_vllms_histogram_counts_it(
+        client: aiohttp.ClientSession) -> None:
+    server = await started(EngineConfig(max_model_len=2048, step_seconds=0.001,
+                                        answer_mean=20))
+    try:
+        answers = []
+        for _ in range(12):
+            async with client.post(f"{server.url}/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}]}) as response:
+                answers.append(await response.json())
+        lengths = [a["usage"]["completion_tokens"] for a in answers]
+        assert {a["choices"][0]["finish_reason"] for a in answers} == {"stop"}
+        assert len(set(lengths)) > 1 and max(lengths) < 2048 - 8, lengths  # drawn, not the rest
+        async with client.get(f"{server.url}/metrics") as response:
+            load = parse_metrics(await response.text())
+        assert load is not None and load.answers is not None
+        assert load.answers.count == 12
+        assert load.answers.counts[load.answers.bounds.index(20.0)] == sum(
+            1 for length in lengths if length <= 20)
+        # A bound set is written whole, as before.
+        answer = await complete(client, server, prompt="x", max_tokens=30)
+        assert (answer["usage"]["completion_tokens"],
+                answer["choices"][0]["finish_reason"]) == (30, "length")
     finally:
         await server.stop()

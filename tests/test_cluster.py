@@ -563,7 +563,7 @@ async def test_the_load_balancer_gives_the_cluster_up_through_the_same_checks(
         script = Script((Readiness.HEALTHY, []))
         startup = Startup(builder, masker=SecretMasker(), spawn=script.spawn,
                           hub_check=no_hub_problem, wait_healthy=script.wait,
-                          gpu_memory=lambda: "no GPU here")
+                          gpus=lambda: "no GPU here")
         lb = LoadBalancerWorker(settings, startup)
         code = await ended(lb._run(), "the load balancer")
     assert (code, lb.state, len(vllm.asked)) == (1, State.DEAD, 1 + 1 + MISSES)

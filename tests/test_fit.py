@@ -34,7 +34,7 @@ from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.diagnosis import Diagnosis
 from worker.start.fit import check_weights, context_line, fitted_context, human_readable_int
-from worker.start.gpus import parse_memory_total, query_gpu_memory
+from worker.start.gpus import Gpu, parse_gpus, query_gpus
 from worker.start.policy import Exited, Fail, Relaunch, Start, decide
 from worker.start.startup import Startup
 from worker.start.supervisor import Readiness, VllmProcess
@@ -140,17 +140,19 @@ def test_the_fitted_context_says_how_to_get_more() -> None:
 
 # -- the GPUs ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("text", "answer"), [
-    ("81559\n", (81559,)),
-    ("81559\n81559\n", (81559, 81559)),
+    ("81559, NVIDIA H100 80GB HBM3\n", (Gpu(81559, "NVIDIA H100 80GB HBM3"),)),
+    ("81920, NVIDIA A100-SXM4-80GB\n81920, NVIDIA A100-SXM4-80GB\n",
+     (Gpu(81920, "NVIDIA A100-SXM4-80GB"),) * 2),
     ("", "nvidia-smi listed no GPU"),
-    ("[N/A]\n", "nvidia-smi answered '[N/A]', not a size in MiB"),
+    ("[N/A], NVIDIA H100 80GB HBM3\n",
+     "nvidia-smi answered '[N/A], NVIDIA H100 80GB HBM3', not a size in MiB"),
 ])
-def test_nvidia_smi_output(text: str, answer: tuple[int, ...] | str) -> None:
-    assert parse_memory_total(text) == answer
+def test_nvidia_smi_output(text: str, answer: tuple[Gpu, ...] | str) -> None:
+    assert parse_gpus(text) == answer
 
 
 def test_without_nvidia_smi_the_check_is_skipped() -> None:
-    assert query_gpu_memory(which=lambda name: None) == (
+    assert query_gpus(which=lambda name: None) == (
         "no nvidia-smi on PATH (no NVIDIA GPU, e.g. a CPU run)")
     check = check_weights(WeightBytes(GIB, 1, "x"), "no nvidia-smi on PATH", command())
     assert check.fits is None and check.line == "weight check skipped: no nvidia-smi on PATH"
@@ -158,8 +160,13 @@ def test_without_nvidia_smi_the_check_is_skipped() -> None:
 
 def test_the_stand_in_answers_as_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{STAND_IN}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GPU_MEMORY_MIB", f"{H100},81920")
+    monkeypatch.setenv("FAKE_GPU_NAMES", "NVIDIA H100 80GB HBM3,NVIDIA A100-SXM4-80GB")
+    assert query_gpus() == (Gpu(H100, "NVIDIA H100 80GB HBM3"),
+                            Gpu(81920, "NVIDIA A100-SXM4-80GB"))
     monkeypatch.setenv("FAKE_GPU_MEMORY_MIB", f"{H100},{H100}")
-    assert query_gpu_memory() == (H100, H100)
+    monkeypatch.delenv("FAKE_GPU_NAMES")
+    assert query_gpus() == (Gpu(H100, "NVIDIA H100 80GB HBM3"),) * 2
 
 
 # -- the weights against them -------------------------------------------------------------

@@ -190,7 +190,7 @@ def cold_start(
         startup = Startup(builder, masker=SecretMasker(),
                           spawn=lambda launch: StandInVllm(launch.command.argv, launch.env),
                           wait_healthy=healthy_when_seen, start_download=start_download,
-                          gpu_memory=lambda: "no GPU (a stand-in vLLM)")
+                          gpus=lambda: "no GPU (a stand-in vLLM)")
         outcome = asyncio.run(startup.run())
         stop.set()
         hub.bandwidth = None

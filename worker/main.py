@@ -27,7 +27,7 @@ from worker.config.settings import Settings
 from worker.errors import ConfigError
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
-from worker.start.gpus import query_gpu_memory
+from worker.start.gpus import query_gpus
 
 logger = logging.getLogger("worker")
 
@@ -151,7 +151,7 @@ def cluster_mode(
 
 def has_gpu() -> bool:
     """An NVIDIA GPU answers nvidia-smi (the weight check's query of it)."""
-    return not isinstance(query_gpu_memory(), str)
+    return not isinstance(query_gpus(), str)
 
 
 def _test_job(job_text: str, output_text: str | None) -> tuple[dict[str, Any], object]:

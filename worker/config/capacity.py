@@ -5,7 +5,7 @@ start's outcome; the job loop takes jobs by it (:mod:`worker.jobs.capacity`). Pu
 log lines and nvidia-smi's answer are passed in.
 
 * The running batch: ``max_num_seqs``, ``MAX_NUM_SEQS`` as set, else vLLM's default for the
-  device (:func:`default_max_num_seqs`).
+  device (:func:`default_max_num_seqs`), once per engine (``--data-parallel-size``).
 * The KV cache, from the line vLLM logs once it has sized it (:func:`read_start_figures`):
   "GPU KV cache size: 65,536 tokens, Maximum concurrency for 8,192 tokens per request: 8.00x".
 """
@@ -15,8 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from worker.config.resolved import VllmCommand
+
+if TYPE_CHECKING:
+    from worker.start.gpus import Gpu
 
 __all__ = ["Capacity", "StartFigures", "capacity_of", "default_max_num_seqs",
            "read_start_figures"]
@@ -61,7 +65,7 @@ def read_start_figures(lines: Iterable[str]) -> StartFigures:
 
 def default_max_num_seqs(
     device: str | None,
-    gpu_memory_mib: Sequence[int] | str,
+    gpus: Sequence[Gpu] | str,
     *,
     world_size: int = 1,
     throughput_mode: bool = False,
@@ -69,15 +73,18 @@ def default_max_num_seqs(
 ) -> tuple[int, str]:
     """vLLM 0.32's default ``max_num_seqs`` for ``vllm serve`` (``EngineArgs.get_batch_defaults``
     and ``_set_default_max_num_seqs_and_batched_tokens_args`` in vllm/engine/arg_utils.py), and
-    how it was found: 128 per rank on a CPU; on a GPU 1,024 from 70 GiB up, else 256 (an A100
-    80GB also gets 256: vLLM reads its name, nvidia-smi's memory cannot tell it, and then the
-    worker's count stops at what vLLM queues); doubled by ``--performance-mode throughput``;
-    never above ``--max-num-batched-tokens`` when that is set."""
+    how it was found: 128 per rank on a CPU; on a GPU 1,024 from 70 GiB up but on an A100
+    (vLLM reads the card's name: ``"a100" not in device_name``), else 256; doubled by
+    ``--performance-mode throughput``; never above ``--max-num-batched-tokens`` when that is
+    set. The first GPU is vLLM's device (its rank 0's); the smallest decides when they
+    differ."""
     if device == "CPU":
         seqs, why = 128 * world_size, "its default on a CPU"
-    elif isinstance(gpu_memory_mib, str) or not gpu_memory_mib:
+    elif isinstance(gpus, str) or not gpus:
         seqs, why = 256, "its default on a GPU under 70 GiB, the GPU's memory unknown"
-    elif min(gpu_memory_mib) >= 70 * GIB_MIB:
+    elif any("a100" in gpu.name.lower() for gpu in gpus):
+        seqs, why = 256, "its default on an A100"
+    elif min(gpu.memory_mib for gpu in gpus) >= 70 * GIB_MIB:
         seqs, why = 1024, "its default on a GPU of 70 GiB or more"
     else:
         seqs, why = 256, "its default on a GPU under 70 GiB"
@@ -97,11 +104,11 @@ def _positive(text: str | None) -> int | None:
 
 
 def capacity_of(
-    command: VllmCommand, figures: StartFigures, gpu_memory_mib: Sequence[int] | str
+    command: VllmCommand, figures: StartFigures, gpus: Sequence[Gpu] | str
 ) -> Capacity:
     """The vLLM that ``command`` started: its running batch (``--max-num-seqs`` as set, else
     :func:`default_max_num_seqs` for the device its log named) and its KV cache (its log's
-    figures)."""
+    figures), each once per engine of ``--data-parallel-size``."""
     set_seqs = _positive(command.value("--max-num-seqs"))
     if set_seqs is not None:
         seqs, why = set_seqs, command.setting_of("--max-num-seqs") or "MAX_NUM_SEQS"
@@ -109,17 +116,20 @@ def capacity_of(
         world = (_positive(command.value("--tensor-parallel-size")) or 1) * (
             _positive(command.value("--pipeline-parallel-size")) or 1)
         seqs, why = default_max_num_seqs(
-            figures.device, gpu_memory_mib, world_size=world,
+            figures.device, gpus, world_size=world,
             throughput_mode=command.value("--performance-mode") == "throughput",
             max_num_batched_tokens=_positive(command.value("--max-num-batched-tokens")))
-    return Capacity(seqs, why, figures.kv_tokens, figures.context, figures.max_concurrency)
+    engines = _positive(command.value("--data-parallel-size")) or 1
+    return Capacity(seqs * engines, why if engines == 1 else f"{why}, on each of {engines} "
+                    "engines (--data-parallel-size)", figures.kv_tokens, figures.context,
+                    figures.max_concurrency, engines=engines)
 
 
 @dataclass(frozen=True)
 class Capacity:
-    """What the vLLM that runs can hold: ``max_num_seqs`` sequences in its running batch
-    (``seqs_reason`` says where the number came from), a KV cache of ``kv_tokens`` tokens and
-    a context of ``context`` tokens (None: not known)."""
+    """What the vLLM that runs can hold: ``max_num_seqs`` sequences in its running batches
+    (``seqs_reason`` says where the number came from), ``engines`` KV caches of ``kv_tokens``
+    tokens each and a context of ``context`` tokens (None: not known)."""
 
     max_num_seqs: int
     seqs_reason: str = ""
@@ -129,6 +139,8 @@ class Capacity:
     block_size: int = 16
     """Tokens per block of the KV cache (vLLM's ``cache_config_info`` says it once read;
     16, vLLM's default on a GPU, until then)."""
+    engines: int = 1
+    """vLLM's engines (``--data-parallel-size``), each with its running batch and KV cache."""
 
     def summary(self) -> str:
         """The capacity in words, for the log: "vLLM batches 256 sequences (MAX_NUM_SEQS);
@@ -137,10 +149,14 @@ class Capacity:
         if self.kv_tokens is not None and self.context:
             whole = self.max_concurrency if self.max_concurrency is not None else \
                 self.kv_tokens / self.context
-            text += (f"; its KV cache holds {whole:,.1f} requests of {self.context:,} tokens "
-                     f"({self.kv_tokens:,} tokens)")
+            text += (f"; {self._each}KV cache holds {whole:,.1f} requests of "
+                     f"{self.context:,} tokens ({self.kv_tokens:,} tokens)")
         elif self.kv_tokens is not None:
-            text += f"; its KV cache holds {self.kv_tokens:,} tokens"
+            text += f"; {self._each}KV cache holds {self.kv_tokens:,} tokens"
         else:
             text += "; its log did not say its KV cache's size"
         return text
+
+    @property
+    def _each(self) -> str:
+        return "its " if self.engines == 1 else "each engine's "

@@ -7,12 +7,12 @@ Everything here is pure: the I/O (vLLM's log, its ``/metrics``, the jobs in flig
 * **What vLLM can run at all** (:class:`worker.config.capacity.Capacity`), learned at start:
   its running batch and its KV cache.
 * **What each job can grow to** (:func:`request_tokens`): its prompt (estimated from its
-  bytes) plus its ``max_tokens`` (the context's rest when the job sets none), bounded by the
-  context. The jobs held together must fit the KV cache: vLLM admits a request as long as its
-  prompt fits and preempts (throws away and recomputes) a running one when a growing
-  sequence finds no free block, so a worker that only reacted to preemptions would already
-  have paid for them.
-* **What vLLM says now** (:class:`Load`, :func:`parse_metrics`): requests waiting in its own
+  bytes, its images and tools counted) plus its ``max_tokens``, bounded by the context; a
+  chat job that sets no bound counts the answer the recent ones suggest
+  (:mod:`worker.jobs.answers`), not the context's rest. The jobs held together must fit the
+  KV cache: vLLM admits a request as long as its prompt fits and preempts (throws away and
+  recomputes) a running one when a growing sequence finds no free block.
+* **What vLLM says now** (:class:`worker.jobs.vllm_metrics.Load`): requests waiting in its own
   queue, the KV cache's use, preemptions. Any of them stops the takes until it clears.
 
 :func:`decide` puts them together, in the style of :func:`worker.start.policy.decide`: one
@@ -21,15 +21,17 @@ value out, with its reason, table-tested (tests/test_capacity.py).
 
 from __future__ import annotations
 
+import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from worker.config.capacity import Capacity
+from worker.jobs.answers import PRIOR_ANSWER_TOKENS
+from worker.jobs.vllm_metrics import Load
 
-__all__ = ["KV_FULL", "Held", "Limit", "Load", "decide", "kv_budget", "parse_metrics",
+__all__ = ["KV_FULL", "Held", "Limit", "decide", "first_job_tokens", "kv_budget",
            "request_tokens"]
 
 #: The KV cache's use (vLLM's ``kv_cache_usage_perc``, a fraction) at which the worker stops
@@ -48,68 +50,14 @@ BYTES_PER_TOKEN = 3
 TEMPLATE_TOKENS = 8
 #: vLLM's default max_tokens for /v1/completions (its CompletionRequest).
 COMPLETION_MAX_TOKENS = 16
-
-
-# -- what vLLM says now ------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^(?P<name>vllm:[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)")
-_LABEL = re.compile(r'(?P<key>[a-zA-Z_]+)="(?P<value>[^"]*)"')
-_LOAD_NAMES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:num_preemptions_total": "preemptions",
-}
-
-
-@dataclass(frozen=True)
-class Load:
-    """vLLM's figures of now, from ``/metrics`` (summed over its engines; the KV cache's use is
-    the fullest engine's): requests running and waiting, the KV cache's use (0 to 1), the
-    preemptions since start, and the KV cache's size and block in tokens when
-    ``cache_config_info`` says them."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    preemptions: float = 0.0
-    kv_tokens: int | None = None
-    block_size: int | None = None
-
-
-def parse_metrics(text: str) -> Load | None:
-    """The load figures of vLLM's Prometheus text; None when it holds none of them (stats
-    turned off, a server that is not vLLM)."""
-    values: dict[str, float] = {}
-    kv_tokens = block_size = None
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name = match["name"]
-        if name == "vllm:cache_config_info":
-            labels = dict(_LABEL.findall(match["labels"] or ""))
-            size, block = labels.get("kv_cache_size_tokens", ""), labels.get("block_size", "")
-            if size.isdigit():
-                kv_tokens = max(kv_tokens or 0, int(size))
-            if block.isdigit() and int(block) > 0:
-                block_size = int(block)
-            continue
-        field = _LOAD_NAMES.get(name)
-        if field is None:
-            continue
-        try:
-            value = float(match["value"])
-        except ValueError:
-            continue
-        if not math.isfinite(value):
-            continue
-        values[field] = max(values.get(field, 0.0), value) if field == "kv_usage" else \
-            values.get(field, 0.0) + value
-    if not values:
-        return None
-    return Load(kv_tokens=kv_tokens, block_size=block_size, **values)
+#: Tokens counted for an image or an audio clip in a message: a vision model's tokens for one
+#: image depend on its processor and the image's size (LLaVA-1.5: 576; Gemma 3: 256; Qwen2-VL:
+#: one per 28x28 pixels, 1,024 for a 896x896 image), which the worker does not run. A job
+#: with larger images fills vLLM's cache faster than counted: its use (:data:`KV_FULL`) and
+#: its preemptions stop the takes then.
+MEDIA_TOKENS = 1024
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds",
+                          "video_url", "input_audio", "audio_url"})
 
 
 # -- what a job can grow to --------------------------------------------------------------------
@@ -122,11 +70,21 @@ def _text_tokens(value: Any) -> int:
             return len(value)
         return sum(_text_tokens(item) for item in value)
     if isinstance(value, Mapping):
-        # A content part ({"type": "text", "text": ...}); an image's tokens are not known
-        # before vLLM's processor runs: its URL's bytes stand for them.
+        # A content part: {"type": "text", "text": ...}, or an image's or a sound's, whose
+        # tokens vLLM's processor decides (MEDIA_TOKENS).
+        if value.get("type") in _MEDIA_PARTS:
+            return MEDIA_TOKENS
         return sum(_text_tokens(item) for key, item in value.items()
                    if key != "type" and isinstance(item, str))
     return 0
+
+
+def _prompts(value: object) -> list[object]:
+    """A completion's prompts: a list of strings or of token lists is one prompt each."""
+    if isinstance(value, list) and value and all(
+            isinstance(item, str) or (isinstance(item, list) and item) for item in value):
+        return list(value)
+    return [value]
 
 
 def _whole(value: object, default: int) -> int:
@@ -134,38 +92,58 @@ def _whole(value: object, default: int) -> int:
         else default
 
 
-def request_tokens(route: str, body: object, context: int | None, block_size: int = 1) -> int:
+def request_tokens(route: str, body: object, context: int | None, block_size: int = 1,
+                   answer: int = PRIOR_ANSWER_TOKENS) -> int:
     """The KV cache a request can grow to, in tokens: its prompt (estimated,
-    :data:`BYTES_PER_TOKEN`) and, for each of its ``n`` sequences, its ``max_tokens``
-    (``max_completion_tokens``; vLLM's 16 for a completion that sets none, the context's rest
-    for a chat), each sequence at most the context and a whole number of the cache's blocks
-    of ``block_size`` tokens (vLLM gives a sequence whole blocks)."""
+    :data:`BYTES_PER_TOKEN`; its tools' definitions and media parts counted) and, for each of
+    its ``n`` sequences (and each prompt of a completion's list), its ``max_tokens``
+    (``max_completion_tokens``; vLLM's 16 for a completion that sets none; ``answer``, the
+    answer counted for a chat that sets none), each sequence at most the context and a whole
+    number of the cache's blocks of ``block_size`` tokens (vLLM gives a sequence whole
+    blocks)."""
     if not isinstance(body, Mapping):
         return 0
     if isinstance(body.get("messages"), list):
-        prompt = sum(TEMPLATE_TOKENS + _text_tokens(message.get("content"))
-                     for message in body["messages"] if isinstance(message, Mapping))
-        default_out: int | None = None  # up to the context
+        prompts = [sum(TEMPLATE_TOKENS + _text_tokens(message.get("content"))
+                       for message in body["messages"] if isinstance(message, Mapping))
+                   + _tools_tokens(body.get("tools"))]
+        default_out = answer
     elif "prompt" in body:
-        prompt = _text_tokens(body.get("prompt"))
+        prompts = [_text_tokens(prompt) for prompt in _prompts(body.get("prompt"))]
         default_out = COMPLETION_MAX_TOKENS
     else:
         return _text_tokens(body.get("input"))  # embeddings, pooling: the prompt alone
-    out: int | None = next((_whole(body[key], 0) for key in ("max_tokens", "max_completion_tokens")
-                            if _whole(body.get(key), -1) >= 0), default_out)
-    sequence = prompt + out if out is not None else max(prompt, context or prompt)
-    if context:
-        sequence = min(sequence, context)  # vLLM refuses a longer one
-    total = sequence + (max(1, _whole(body.get("n"), 1)) - 1) * max(0, sequence - prompt)
-    return -(-total // block_size) * block_size
+    out = next((_whole(body[key], 0) for key in ("max_tokens", "max_completion_tokens")
+                if _whole(body.get(key), -1) >= 0), default_out)
+    sequences = max(1, _whole(body.get("n"), 1))
+    total = 0
+    for prompt in prompts:
+        sequence = prompt + out if context is None else min(prompt + out, context)
+        each = -(-sequence // block_size) * block_size
+        total += each + (sequences - 1) * max(0, each - prompt)
+    return total
+
+
+def _tools_tokens(tools: object) -> int:
+    """The tools' definitions, which the chat template writes into the prompt."""
+    if not isinstance(tools, list) or not tools:
+        return 0
+    return _text_tokens(json.dumps(tools, separators=(",", ":")))
+
+
+def first_job_tokens(context: int | None) -> int | None:
+    """What a job counts before any was sized: a prompt and an answer of
+    :data:`worker.jobs.answers.PRIOR_ANSWER_TOKENS` each, at most the context."""
+    return min(context, 2 * PRIOR_ANSWER_TOKENS) if context else None
 
 
 # -- the decision ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Held:
-    """The jobs the worker holds now: ``jobs`` (a batch job counts as one), the KV tokens
-    ``tokens`` of those whose request is known, ``unsized`` taken but not read yet, and the
-    ``typical`` job's tokens (the recent ones' mean; None before the first)."""
+    """The requests the worker has in vLLM or on their way: ``jobs`` (a batch's lines each, the
+    batch job itself none), the KV tokens ``tokens`` of those whose request is known,
+    ``unsized`` taken but not read yet, and the ``typical`` request's tokens (the recent ones'
+    mean; None before the first)."""
 
     jobs: int = 0
     tokens: int = 0
@@ -197,9 +175,9 @@ REASONS: Mapping[str, str] = {
 
 
 def kv_budget(capacity: Capacity) -> int:
-    """The KV cache's tokens that requests can have: all but one block, which vLLM's block pool
-    keeps as its null block (vllm/v1/core/block_pool.py)."""
-    return max(0, (capacity.kv_tokens or 0) - capacity.block_size)
+    """The KV caches' tokens that requests can have: each engine's all but one block, which
+    vLLM's block pool keeps as its null block (vllm/v1/core/block_pool.py)."""
+    return capacity.engines * max(0, (capacity.kv_tokens or 0) - capacity.block_size)
 
 
 def decide(
@@ -217,7 +195,7 @@ def decide(
     ``setting``: MAX_CONCURRENCY when the user set a number, which is the limit whatever vLLM
     says. Else the least of vLLM's running batch and what its KV cache holds of jobs the size
     of those held (a job not read yet, and the next ones, count as the ``typical`` one; before
-    any, as a request of the whole context); then none more while vLLM says it has no room
+    any, as :func:`first_job_tokens`); then none more while vLLM says it has no room
     (``load``): more requests wait in its queue than the ``arrived`` since it last counted,
     its KV cache is :data:`KV_FULL` and fuller than the jobs held then could make it
     (``accounted``: their share of the cache, at most, when vLLM counted: the cache is full
@@ -227,7 +205,7 @@ def decide(
     if setting is not None:
         return Limit(setting, "setting")
     limit, reason = capacity.max_num_seqs, "max_num_seqs"
-    per_job = held.typical or capacity.context
+    per_job = held.typical or first_job_tokens(capacity.context)
     if capacity.kv_tokens is not None and per_job:
         reserved = held.tokens + held.unsized * per_job
         fits = held.jobs + (kv_budget(capacity) - reserved) // per_job

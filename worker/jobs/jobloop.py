@@ -131,7 +131,7 @@ class JobLoop:
         await scaler.set_scale()  # the SDK's queue, sized to the most jobs ever held
         while scaler.is_alive():
             self._slot_freed.clear()
-            needed = self._pacer.room(scaler.current_occupancy())
+            needed = self._pacer.room()
             if needed <= 0:
                 await self._slot_freed.wait()
                 continue

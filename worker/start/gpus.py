@@ -1,10 +1,13 @@
-"""The GPUs' memory, as ``nvidia-smi`` reports it: what the weight check compares with.
+"""The GPUs, as ``nvidia-smi`` reports them: their memory (what the weight check compares
+with) and their names (vLLM's default running batch depends on both).
 
-``nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits`` prints one line per GPU,
-its total installed memory in MiB as a bare integer (NVIDIA's nvidia-smi(1) manual,
+``nvidia-smi --query-gpu=memory.total,name --format=csv,noheader,nounits`` prints one line per
+GPU, its total installed memory in MiB as a bare integer, then ``, `` and the card's name, as
+``81920, NVIDIA A100-SXM4-80GB`` (NVIDIA's nvidia-smi(1) manual,
 https://docs.nvidia.com/deploy/nvidia-smi/index.html, and ``nvidia-smi --help-query-gpu``:
-"memory.total: Total installed GPU memory"; ``noheader`` leaves out the column names,
-``nounits`` the `` MiB``). Without ``nvidia-smi`` (a CPU run), or with an answer that is not
+"memory.total: Total installed GPU memory", "name: The official product name of the GPU";
+``noheader`` leaves out the column names, ``nounits`` the `` MiB``; CSV's fields are separated
+by a comma and a space). Without ``nvidia-smi`` (a CPU run), or with an answer that is not
 that, there is no number: the check says why it was skipped and never guesses.
 """
 
@@ -13,10 +16,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-__all__ = ["QUERY", "parse_memory_total", "query_gpu_memory"]
+__all__ = ["QUERY", "Gpu", "parse_gpus", "query_gpus"]
 
-QUERY = ("nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits")
+QUERY = ("nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits")
 #: Seconds nvidia-smi may take (it is slow on a machine without persistence mode).
 TIMEOUT = 20.0
 
@@ -30,20 +34,38 @@ def _run(argv: Sequence[str]) -> tuple[int, str]:
     return done.returncode, done.stdout
 
 
-def parse_memory_total(text: str) -> tuple[int, ...] | str:
-    """Each GPU's memory in MiB from the query's output, or why the output is not that."""
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU: its total memory in MiB and its name (``NVIDIA H100 80GB HBM3``)."""
+
+    memory_mib: int
+    name: str = ""
+
+
+def parse_gpus(text: str) -> tuple[Gpu, ...] | str:
+    """Each GPU from the query's output, or why the output is not that."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return "nvidia-smi listed no GPU"
-    if not all(line.isdigit() for line in lines):
-        return f"nvidia-smi answered {lines[0][:80]!r}, not a size in MiB"
-    return tuple(int(line) for line in lines)
+    gpus = []
+    for line in lines:
+        memory, _, name = line.partition(",")
+        if not memory.strip().isdigit():
+            return f"nvidia-smi answered {lines[0][:80]!r}, not a size in MiB"
+        gpus.append(Gpu(int(memory), name.strip()))
+    return tuple(gpus)
 
 
-def query_gpu_memory(
+def memories(gpus: Sequence[Gpu] | str) -> tuple[int, ...] | str:
+    """Each GPU's memory in MiB, or why it is not known."""
+    return gpus if isinstance(gpus, str) else tuple(gpu.memory_mib for gpu in gpus)
+
+
+def query_gpus(
     run: Run = _run, which: Callable[[str], str | None] = shutil.which
-) -> tuple[int, ...] | str:
-    """Each GPU's total memory in MiB, or why it is not known (no nvidia-smi, an error)."""
+) -> tuple[Gpu, ...] | str:
+    """Each GPU's total memory in MiB and name, or why they are not known (no nvidia-smi, an
+    error)."""
     if which(QUERY[0]) is None:
         return "no nvidia-smi on PATH (no NVIDIA GPU, e.g. a CPU run)"
     try:
@@ -52,4 +74,4 @@ def query_gpu_memory(
         return f"nvidia-smi failed ({type(exc).__name__})"
     if code != 0:
         return f"nvidia-smi exited with code {code}"
-    return parse_memory_total(out)
+    return parse_gpus(out)

@@ -40,7 +40,7 @@ from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.diagnosis import diagnose
 from worker.start.fit import WeightCheck, check_weights, context_line, fitted_context
-from worker.start.gpus import query_gpu_memory
+from worker.start.gpus import Gpu, memories, query_gpus
 from worker.start.init_limit import init_timeout_warning
 from worker.start.policy import (
     Attempt,
@@ -70,7 +70,7 @@ StartDownload = Callable[[Download, Launch], None]
 """Start downloading a repo beside vLLM (in the background; it must not block)."""
 WaitHealthy = Callable[[VllmProcess], Coroutine[object, object, Readiness]]
 """How one process's start ends: healthy, exited, or timed out."""
-GpuMemory = Callable[[], Sequence[int] | str]
+Gpus = Callable[[], Sequence[Gpu] | str]
 """Each GPU's memory in MiB (nvidia-smi), or why it is not known."""
 
 
@@ -119,7 +119,7 @@ class Startup:
         hub_check: HubCheck | None = None,
         wait_healthy: WaitHealthy | None = None,
         start_download: StartDownload | None = None,
-        gpu_memory: GpuMemory = query_gpu_memory,
+        gpus: Gpus = query_gpus,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -131,11 +131,11 @@ class Startup:
         self._hub_check = hub_check or self._preflight
         self._wait_healthy = wait_healthy or self._wait_until_healthy
         self._start_download = start_download or self._prefetch
-        self._gpu_memory = gpu_memory
+        self._query_gpus = gpus
         self._clock = clock
         self._sleep = sleep
         self._downloading: set[str] = set()
-        self._gpus: Sequence[int] | str | None = None  # nvidia-smi's answer, once asked
+        self._gpus: Sequence[Gpu] | str | None = None  # nvidia-smi's answer, once asked
         self._reporter: asyncio.Task[None] | None = None
         self._began: float | None = None  # when run() began (the clock's reading)
         self._init_warned = False  # the cold-start limit's line, once per start
@@ -357,12 +357,12 @@ class Startup:
     def _weight_check(self, launch: Launch, result: PreflightResult) -> WeightCheck:
         """The check's verdict (blocks: nvidia-smi, the disk, a bucket's listing); the weights
         are counted only with GPUs to compare them with."""
-        gpus = self._gpus = self._gpu_memory()
+        gpus = self._gpus = self._query_gpus()
         list_bucket = partial(list_objects, env=launch.env,
                               timeout=self.settings.hub_check_timeout or 10.0)
         weights = gpus if isinstance(gpus, str) else model_weights(
             launch.command, result.listings, list_bucket=list_bucket)
-        return check_weights(weights, gpus, launch.command)
+        return check_weights(weights, memories(gpus), launch.command)
 
     def _capacity(self, launch: Launch) -> Capacity:
         """What the healthy vLLM can run: its log's KV cache figures, its running batch
@@ -370,7 +370,7 @@ class Startup:
         figures = read_start_figures(self.process.tail() if self.process is not None else ())
         gpus = self._gpus
         if gpus is None:
-            gpus = self._gpu_memory() if figures.device not in (None, "CPU") else "no GPU"
+            gpus = self._query_gpus() if figures.device not in (None, "CPU") else "no GPU"
         return capacity_of(launch.command, figures, gpus)
 
     def _prefetch(self, download: Download, launch: Launch) -> None:
