@@ -3,7 +3,7 @@
 and how long they wait, at each MAX_CONCURRENCY.
 
     .venv/bin/python scripts/bench_fleet.py [--jobs 2000] [--settings auto 30 300]
-        [--max-tokens 32] [--stream] [--json FILE]
+        [--max-tokens 32 | --open-ended] [--stream] [--json FILE]
 
 Why: a worker that holds more jobs than its vLLM runs keeps them in vLLM's own queue while
 other workers of the endpoint sit idle, and one that holds fewer leaves its GPU part empty;
@@ -17,6 +17,11 @@ context, fast steps), two "small" (8, a KV cache for 8, steps over twice as slow
 :data:`FLEET`. For each setting of ``--settings`` (a value of the workers'
 MAX_CONCURRENCY; ``auto`` is passed as such) a fresh fleet starts, ``--jobs`` completions
 are submitted all at once, and the run goes to the last job's end.
+
+``--open-ended`` sends chat jobs as the OpenAI SDK sends them, with no ``max_tokens``: the
+stand-ins end each answer on their own (tens of tokens, ``CAPACITY_VLLM_ANSWER_MEAN``), as a
+model does at its end-of-sequence token, so the workers learn the answers' lengths from
+vLLM's histogram instead of counting a whole context per job.
 
 The jobs are not streamed (``--stream`` streams them): what is measured is where a job
 waits (the platform's queue, or a worker's vLLM's) and which worker runs it, which a stream
@@ -214,13 +219,18 @@ def start_fleet(api: FakeJobApi, setting: str, scratch: Path, wrapper: Path) -> 
 
 
 # -- one setting ---------------------------------------------------------------------------------
-def job_input(number: int, max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {"prompt": f"Job {number}: say something about the number {number}.",
-            "sampling_params": {"max_tokens": max_tokens}, "stream": stream}
+def job_input(number: int, max_tokens: int | None, stream: bool) -> dict[str, Any]:
+    """A completion of ``max_tokens``, or (None) a chat that sets no bound."""
+    question = f"Job {number}: say something about the number {number}."
+    if max_tokens is None:
+        return {"messages": [{"role": "user", "content": question}], "stream": stream}
+    return {"prompt": question, "sampling_params": {"max_tokens": max_tokens},
+            "stream": stream}
 
 
-def failure(record: JobRecord, max_tokens: int, stream: bool) -> str | None:
-    """Why a job failed, or None: no result, an error, or not ``max_tokens`` tokens."""
+def failure(record: JobRecord, max_tokens: int | None, stream: bool) -> str | None:
+    """Why a job failed, or None: no result, an error, or not ``max_tokens`` tokens (any
+    number for an open-ended job)."""
     if record.done_at is None:
         return f"{record.id}: no result"
     if record.error is not None:
@@ -232,6 +242,8 @@ def failure(record: JobRecord, max_tokens: int, stream: bool) -> str | None:
         output = output[0]
     usage = output.get("usage") if isinstance(output, dict) else None
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if max_tokens is None and isinstance(tokens, int) and tokens > 0:
+        return None
     if tokens != max_tokens:
         return f"{record.id}: {tokens} tokens, not {max_tokens}: {str(record.done)[:200]}"
     return None
@@ -343,22 +355,29 @@ def main() -> int:
     parser.add_argument("--settings", nargs="+", default=["auto", "30", "300"],
                         help="the workers' MAX_CONCURRENCY, one fresh fleet each")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens out per job")
+    parser.add_argument("--open-ended", action="store_true",
+                        help="chat jobs with no max_tokens, ending on their own")
     parser.add_argument("--stream", action="store_true", help="stream the jobs")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a setting's jobs may take in all (a bound, not a goal)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    if args.open_ended:
+        args.max_tokens = None
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     wrapper = write_wrapper(scratch / "bin")
-    print(f"bench_fleet: {args.jobs} completion jobs of {args.max_tokens} tokens "
+    kind = "open-ended chat jobs" if args.open_ended else \
+        f"completion jobs of {args.max_tokens} tokens"
+    print(f"bench_fleet: {args.jobs} {kind} "
           f"({'streamed' if args.stream else 'not streamed'}) on {len(FLEET)} workers; "
           f"MAX_MODEL_LEN {MAX_MODEL_LEN}; the capacity of each one's vLLM:", flush=True)
     for m in FLEET:
         print(f"  {m.name:>8}: max_num_seqs {m.max_num_seqs}, KV cache for {m.kv_requests} "
               f"requests ({m.kv_requests * MAX_MODEL_LEN:,} tokens), a step of "
               f"{1000 * m.step * (1 + m.per_seq * m.max_num_seqs):.0f} ms at {m.max_num_seqs} "
-              f"sequences: {m.rate(args.max_tokens, m.max_num_seqs):.1f} jobs/s at the most",
+              f"sequences: {m.rate(args.max_tokens or 60, m.max_num_seqs):.1f} jobs/s at the "
+              "most",
               flush=True)
     began = time.monotonic()
     outcomes = [run_setting(setting, args, scratch, wrapper) for setting in args.settings]

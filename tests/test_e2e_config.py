@@ -18,11 +18,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import StartWorker
 from tests.fake_job_api import FakeJobApi
 from tests.serving import Serving
+from worker.jobs.vllm_metrics import parse_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -116,9 +118,10 @@ def test_without_max_concurrency_the_worker_takes_what_vllms_own_figures_say(
     assert kv is not None, "vLLM logged no KV cache size"
     tokens, context, requests = (int(kv[1].replace(",", "")), int(kv[2].replace(",", "")),
                                  float(kv[3]))
-    # At first, requests of the whole context in all of the KV cache but vLLM's null block
-    # (16 tokens until vLLM's /metrics has said its block size).
-    first = min(128, (tokens - 16) // context)
+    # At first, requests of a prompt and an answer of 1,024 tokens each (at most the whole
+    # context) in all of the KV cache but vLLM's null block (16 tokens until vLLM's /metrics
+    # has said its block size).
+    first = min(128, (tokens - 16) // min(context, 2048))
     assert (f"taking up to 128 jobs at once, as vLLM has room (MAX_CONCURRENCY auto; "
             f"{first} at first): vLLM batches 128 sequences (its default on a CPU); its KV "
             f"cache holds {requests:,.1f} requests of {context:,} tokens ({tokens:,} tokens)"
@@ -126,3 +129,15 @@ def test_without_max_concurrency_the_worker_takes_what_vllms_own_figures_say(
     worker.wait_for_log("reading vLLM's load from its /metrics every 0.5 s while jobs run; "
                         "now: ", timeout=120)
     assert "/metrics has no load figures" not in worker.log()
+    assert_metrics_hold_every_name_the_pacer_reads(baked_worker)
+
+
+def assert_metrics_hold_every_name_the_pacer_reads(serving: Serving) -> None:
+    """vLLM's real /metrics, after an answer, holds every figure the worker reads (a renamed
+    one would read as nothing), its histogram of answers' lengths counting that answer."""
+    text = httpx.get(serving.vllm_url + "/metrics", timeout=60).text
+    load = parse_metrics(text)
+    assert load is not None, "vLLM's /metrics has no vllm: figures"
+    assert load.missing == frozenset(), f"vLLM's /metrics lacks {sorted(load.missing)}"
+    assert load.answers is not None and load.answers.count >= 1
+    assert load.kv_tokens and load.block_size

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.serving import Serving, start_serving
+from tests.test_e2e_config import assert_metrics_hold_every_name_the_pacer_reads
 from tests.test_e2e_routes import sse_events, streamed_text
 from tests.tiny_model import tiny_env as tiny_env_of
 from worker.config.flags import packaged_catalog_path
@@ -85,6 +86,11 @@ def test_a_prompt_job_is_the_oldest_vllms_answer(oldest: Serving) -> None:
     log = oldest.worker.log()
     assert f"vLLM flag catalog: packaged vllm-{OLDEST}.json" in log
     assert "outside the versions" not in log
+
+
+def test_the_oldest_vllms_metrics_hold_every_figure_the_pacer_reads(oldest: Serving) -> None:
+    oldest.answer({"prompt": "Hello", "sampling_params": {"max_tokens": 4}})
+    assert_metrics_hold_every_name_the_pacer_reads(oldest)
 
 
 def test_a_streamed_messages_job_on_the_oldest_vllm(oldest: Serving) -> None:
