@@ -21,7 +21,7 @@ from tests.launches import launch_of
 from tests.test_bucket_fetch import BASE, ROOT, adapter
 from worker.errors import ConfigError
 from worker.model.adapters import adapter_sources
-from worker.model.bucket_adapters import plain_name_problem
+from worker.model.bucket_adapters import ADMIN_ROUTES, closed_route_problem, plain_name_problem
 
 
 # -- the decisions ----------------------------------------------------------------------------
@@ -105,6 +105,7 @@ def test_the_worker_turns_on_what_the_resolver_needs(tmp_path: Path) -> None:
     assert launch.env["LORA_ADAPTERS_MAX_RANK"] == "32"
     assert launch.env["LORA_ADAPTERS_VLLM_URL"] == "http://127.0.0.1:18000"  # to unload one
     assert "VLLM_PLUGINS" not in launch.env  # unset: vLLM loads every plugin
+    assert launch.closed_routes == ADMIN_ROUTES  # what that variable opens, closed to jobs
     sources = adapter_sources(launch)
     assert sources.per_job and sources.bucket == "s3://b/loras" and sources.warnings == ()
     assert sources.summary() == ("adapters named by jobs are looked up in the bucket "
@@ -115,6 +116,38 @@ def test_the_worker_turns_on_what_the_resolver_needs(tmp_path: Path) -> None:
     assert local.env["LORA_ADAPTERS_DIR"] == "/c/worker-vllm/lora-adapters"
     assert local.env["VLLM_PLUGINS"] == "lora_filesystem_resolver,lora_bucket_resolver"
     assert local.env["LORA_ADAPTERS_MAX_RANK"] == "32"
+
+
+def test_the_adapter_routes_stay_closed_unless_the_user_opened_them() -> None:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING, turned on by the worker for the bucket, would open
+    vLLM's load and unload routes to every job and client: they stay closed; set by the user,
+    they are open, as without the bucket."""
+    env = {"MODEL_NAME": BASE, "ENABLE_LORA": "true", "LORA_ADAPTERS_URI": "s3://b/loras"}
+    assert launch_of(env).closed_routes == ADMIN_ROUTES
+    for value in ("true", "1", "TRUE"):
+        assert launch_of({**env, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": value}).closed_routes == ()
+    assert launch_of({"MODEL_NAME": BASE}).closed_routes == ()
+
+
+@pytest.mark.parametrize(("route", "closed"), [
+    ("/v1/load_lora_adapter", True),
+    ("/v1/unload_lora_adapter", True),
+    ("/v1/load_lora_adapter?x=1", True),
+    ("/v1/load_lora_adapter/", True),
+    ("/v1//load_lora_adapter", True),
+    ("/v1/load%5Flora%5Fadapter", True),
+    ("/v1%2Funload_lora_adapter", True),
+    ("/v1/load_lora_adapters", False),
+    ("/v1/completions", False),
+    ("/V1/load_lora_adapter", False),  # vLLM's routes are case-sensitive: a 404 there
+])
+def test_a_closed_route_is_known_as_vllm_reads_the_path(route: str, closed: bool) -> None:
+    problem = closed_route_problem(route, ADMIN_ROUTES)
+    assert (problem is not None) is closed
+    if problem is not None:
+        assert problem.startswith("/v1/") and "is closed on this worker" in problem
+        assert "Set VLLM_ALLOW_RUNTIME_LORA_UPDATING=true yourself" in problem
+    assert closed_route_problem(route, ()) is None
 
 
 def test_without_enable_lora_the_worker_warns() -> None:

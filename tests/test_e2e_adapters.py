@@ -484,14 +484,18 @@ pooled("lb", "adapters-lb")
 @pytest.fixture
 def lb(volume: Volume, tmp_path_factory: pytest.TempPathFactory) -> LbBed:
     """A worker in lb mode on the same volume and Hub, without ENABLE_LORA; and its vLLM.
-    The volume's Hub cache holds acme/tiny-lora, as a queue worker's job would leave it."""
+    The volume's Hub cache holds acme/tiny-lora, as a queue worker's job would leave it.
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING is not the user's here: the worker turns it on for the
+    bucket."""
     from huggingface_hub import snapshot_download
 
     def start() -> LbBed:
         snapshot_download("acme/tiny-lora", endpoint=volume.hub.url,
                           cache_dir=volume.hub_cache, token=HUB_TOKEN)
         port = free_port()
-        worker = start_lb_worker({**volume.env, "VLLM_PORT": str(port)},
+        env = {name: value for name, value in volume.env.items()
+               if name != "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+        worker = start_lb_worker({**env, "VLLM_PORT": str(port)},
                                  tmp_path_factory.mktemp("lb") / "lb.log")
         bed = LbBed(worker, f"http://127.0.0.1:{port}")
         try:
@@ -551,6 +555,31 @@ def test_in_lb_mode_vllm_asks_the_bucket_itself(volume: Volume, lb: LbBed) -> No
         assert other.status_code == 500
         assert other.json()["error"]["message"].startswith(
             f"The adapter 'bucket-other-base' in s3://{BUCKET}/adapters cannot be served: ")
+
+
+def test_in_lb_mode_the_adapter_routes_the_worker_opened_are_closed_to_clients(
+    volume: Volume, lb: LbBed,
+) -> None:
+    """The worker turned VLLM_ALLOW_RUNTIME_LORA_UPDATING on for the bucket, which opens vLLM's
+    load and unload routes: a client gets 403 and vLLM nothing (no adapter loaded from a path
+    the client names); vLLM's own port keeps them, for the resolver's unload."""
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        load = {"lora_name": "from-a-path", "lora_path": str(volume.loras / "sql")}
+        refused = client.post(f"{lb.worker.url}/v1/load_lora_adapter", json=load)
+        assert refused.status_code == 403, refused.text
+        assert "is closed on this worker" in refused.json()["error"]["message"]
+        refused = client.post(f"{lb.worker.url}/v1/unload_lora_adapter",
+                              json={"lora_name": "from-bucket"})
+        assert refused.status_code == 403, refused.text
+        models = client.get(f"{lb.worker.url}/v1/models").json()["data"]
+        assert "from-a-path" not in {model["id"] for model in models}
+        direct = client.post(f"{lb.vllm_url}/v1/unload_lora_adapter",
+                             json={"lora_name": "never-loaded"})
+        assert direct.status_code == 404, direct.text  # vLLM's own answer: the route is there
+        assert direct.json()["error"]["message"] == ("The lora adapter 'never-loaded' cannot "
+                                                     "be found.")
+    assert ("/v1/load_lora_adapter and /v1/unload_lora_adapter stay closed to jobs and "
+            "clients") in lb.worker.worker.log()
 
 
 def test_vllm_itself_exits_at_start_without_the_folder(

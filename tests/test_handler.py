@@ -532,3 +532,37 @@ async def test_vllms_error_for_a_form_is_a_vllm_error() -> None:
     await p.aclose()
     assert (error["type"], error["code"], error["message"]) == (
         "vllm_error", 400, "Invalid or unsupported audio file.")
+
+
+# -- routes closed to jobs (adapters from a bucket, the worker's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+@pytest.mark.parametrize("job_input", [
+    {"route": "/v1/load_lora_adapter", "body": {"lora_name": "x", "lora_path": "/etc"}},
+    {"route": "/v1/unload_lora_adapter", "body": {"lora_name": "x"}},
+    {"openai_route": "/v1/load_lora_adapter", "openai_input": {"lora_name": "x"}},
+    {"route": "/v1/load%5Flora_adapter/", "body": {"lora_name": "x"}},
+    {"batch": [{"custom_id": "1", "url": "/v1/unload_lora_adapter",
+                "body": {"lora_name": "x"}}]},
+])
+async def test_a_route_closed_to_jobs_is_refused_and_never_sent(job_input: Any) -> None:
+    from worker.model.bucket_adapters import ADMIN_ROUTES
+
+    router = respx.MockRouter(assert_all_called=False)
+    sent = router.route().respond(200, json={})
+    p = Proxy(Settings(vllm_port=8000), served_model="m", closed_routes=ADMIN_ROUTES,
+              transport=httpx.MockTransport(router.handler))
+    items = await run(p, job_input)
+    await p.aclose()
+    assert not sent.called
+    text = json.dumps(items)
+    assert "is closed on this worker" in text and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in text
+    if "batch" not in job_input:
+        assert error_of(items)["type"] == "invalid_request"
+
+
+async def test_without_closed_routes_the_adapter_routes_reach_vllm() -> None:
+    router = respx.MockRouter()
+    router.post("http://127.0.0.1:8000/v1/load_lora_adapter").respond(200, text="Success")
+    p = mocked_proxy(router)
+    items = await run(p, {"route": "/v1/load_lora_adapter", "body": {"lora_name": "x"}})
+    await p.aclose()
+    assert items == ["Success"]

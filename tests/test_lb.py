@@ -94,6 +94,34 @@ def test_every_path_is_relayed_byte_for_byte(start_lb: StartLb) -> None:
     assert httpx.delete(f"{lb.url}/echo").json()["method"] == "DELETE"
 
 
+def test_the_adapter_routes_the_worker_opened_for_the_bucket_are_refused(
+    start_lb: StartLb,
+) -> None:
+    """LORA_ADAPTERS_URI makes the worker turn on VLLM_ALLOW_RUNTIME_LORA_UPDATING, which opens
+    vLLM's load and unload routes: a client gets 403 and vLLM never sees the request; the
+    user's own VLLM_ALLOW_RUNTIME_LORA_UPDATING=true leaves them open (relayed: the stand-in
+    has no such route)."""
+    bucket = {"LORA_ADAPTERS_URI": "s3://tuned/adapters"}
+    closed, opened = start_lb(bucket), start_lb({
+        **bucket, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    for lb in (closed, opened):
+        lb.wait_for_status(200, timeout=60)
+    body = {"lora_name": "x", "lora_path": "/etc"}
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter?a=1",
+                  "/v1/load%5Flora_adapter"):
+        refused = httpx.post(f"{closed.url}{route}", json=body, timeout=30)
+        assert refused.status_code == 403, route
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request", 403)
+        assert "is closed on this worker" in error["message"]
+        assert "Set VLLM_ALLOW_RUNTIME_LORA_UPDATING=true yourself" in error["message"]
+        assert httpx.post(f"{opened.url}{route}", json=body, timeout=30).status_code == 404
+    echo = httpx.post(f"{closed.url}/echo", content=b"x", timeout=30).json()
+    assert echo["path"] == "/echo"  # every other route is relayed
+    assert ("/v1/load_lora_adapter and /v1/unload_lora_adapter stay closed to jobs and "
+            "clients") in closed.worker.log()
+
+
 def test_a_stream_is_relayed_as_it_comes(start_lb: StartLb) -> None:
     lb = start_lb()
     lb.wait_for_status(200, timeout=60)

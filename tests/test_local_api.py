@@ -8,6 +8,7 @@ answers: a bad job, a stream, an OpenAI client's calls. Both workers serve the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -73,21 +74,27 @@ class Endpoint:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, Endpoint]]:
+@contextlib.contextmanager
+def local_worker(tmp: Path, extra: dict[str, str] | None = None) -> Iterator[
+        tuple[WorkerProcess, Endpoint]]:
     """``python -m worker`` in local mode on the stand-in vLLM, once its local API listens."""
-    tmp = tmp_path_factory.mktemp("local-api")
     port = free_port()
     worker = WorkerProcess(
         [sys.executable, "-m", "worker"],
         {**fake_vllm_env(tmp, MODEL), "WORKER_MODE": "local", "PORT": str(port),
-         "VLLM_PORT": str(free_port()), "VLLM_STARTUP_TIMEOUT": "60"},
+         "VLLM_PORT": str(free_port()), "VLLM_STARTUP_TIMEOUT": "60", **(extra or {})},
         log_path=tmp / "worker.log")
     try:
         worker.wait_for_log(f"local API listening on http://127.0.0.1:{port}", timeout=60)
         yield worker, Endpoint(f"http://127.0.0.1:{port}")
     finally:
         worker.kill()
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, Endpoint]]:
+    with local_worker(tmp_path_factory.mktemp("local-api")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +219,21 @@ def test_runsync_waits_as_the_platform_says(wait: str | None, seconds: float) ->
 def test_the_module_names_no_test_code() -> None:
     source = (Path(__file__).resolve().parents[1] / "worker" / "local_api.py").read_text()
     assert "tests." not in source and "fake" not in source.lower()
+
+
+def test_a_job_to_a_route_the_worker_opened_for_the_bucket_is_refused(tmp_path: Path) -> None:
+    """LORA_ADAPTERS_URI makes the worker turn on VLLM_ALLOW_RUNTIME_LORA_UPDATING, which opens
+    vLLM's load and unload routes: a job naming one fails with invalid_request, and vLLM is
+    never asked (the stand-in has no such route: it would answer 404, a vllm_error)."""
+    with local_worker(tmp_path, {"LORA_ADAPTERS_URI": "s3://tuned/adapters"}) as (_, endpoint):
+        for job in ({"route": "/v1/load_lora_adapter",
+                     "body": {"lora_name": "x", "lora_path": "/etc"}},
+                    {"openai_route": "/v1/unload_lora_adapter",
+                     "openai_input": {"lora_name": "x"}}):
+            status = endpoint.done(endpoint.run(job))
+            assert status["status"] == "FAILED", status
+            error = json.loads(status["error"])
+            assert error["type"] == "invalid_request", error
+            assert "is closed on this worker" in error["message"]
+        done = endpoint.done(endpoint.run(STREAM_JOB))
+        assert done["status"] == "COMPLETED"  # every other route is sent

@@ -40,8 +40,9 @@ from aiohttp import web
 from worker.config.resolved import PROXY_IDLE_SECONDS
 from worker.config.settings import Settings
 from worker.config.stop import StopClock
-from worker.errors import BackendUnavailable, PrestartFailed, WorkerError
+from worker.errors import BackendUnavailable, InvalidRequest, PrestartFailed, WorkerError
 from worker.jobs.loopwatch import watching
+from worker.model.bucket_adapters import closed_route_problem
 from worker.start.rank import watch_cluster
 from worker.start.startup import StartOutcome, Startup
 
@@ -246,6 +247,11 @@ class LoadBalancerWorker:
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         if self.state is not State.READY or self._session is None:
             return self._refusal()
+        launch = self.startup.launch
+        if launch is not None and (problem := closed_route_problem(
+                request.raw_path, launch.closed_routes)) is not None:
+            return web.Response(status=403, body=error_body(InvalidRequest(problem, code=403)),
+                                content_type="application/json")
         self._in_flight += 1
         try:
             return await self._forward(request, self._session)

@@ -86,7 +86,8 @@ class QueueWorker:
         return Proxy(self.settings, served_model=served_model, backend_failure=probe,
                      adapters=adapters,
                      request_fields=launch.command.request_fields if launch else None,
-                     batches=batches, pacer=self._pacer_of(batches))
+                     batches=batches, pacer=self._pacer_of(batches),
+                     closed_routes=launch.closed_routes if launch else ())
 
     def _batch_options(self) -> BatchOptions:
         """Batch jobs' lines in flight (BATCH_CONCURRENCY, else vLLM's running batch), and

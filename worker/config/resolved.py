@@ -323,6 +323,9 @@ class Launch:
     hub: HubAccess = field(default_factory=HubAccess)
     base_path: str = "/runpod-volume"
     """Where the network volume mounts (BASE_PATH)."""
+    closed_routes: tuple[str, ...] = ()
+    """vLLM's routes refused to jobs and to a load balancer's clients
+    (:func:`worker.model.bucket_adapters.closed_route_problem`)."""
 
     @property
     def cpu_kv_cache_space(self) -> str | None:

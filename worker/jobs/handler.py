@@ -34,6 +34,7 @@ from worker.config.settings import Settings
 from worker.errors import (
     BackendUnavailable,
     ConfigError,
+    InvalidRequest,
     RequestTimeout,
     VllmError,
     WorkerError,
@@ -45,6 +46,7 @@ from worker.jobs.forms import httpx_parts
 from worker.jobs.pacer import Pacer
 from worker.jobs.relay import SseRelay
 from worker.jobs.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input, sent_model
+from worker.model.bucket_adapters import closed_route_problem
 
 logger = logging.getLogger("worker.handler")
 
@@ -159,7 +161,10 @@ class Proxy:
         request_fields: RequestFields | None = None,
         batches: BatchOptions | None = None,
         pacer: Pacer | None = None,
+        closed_routes: tuple[str, ...] = (),
     ) -> None:
+        """``closed_routes``: vLLM's routes no job may reach
+        (:func:`worker.model.bucket_adapters.closed_route_problem`)."""
         if not _is_loopback(settings.base_url):
             raise ConfigError(
                 f"VLLM_BASE_URL={settings.base_url!r} is not a loopback address; the worker "
@@ -168,6 +173,7 @@ class Proxy:
         self._settings = settings
         self._base_url = settings.base_url
         self._served_model = served_model
+        self._closed_routes = closed_routes
         self._model_lock: asyncio.Lock | None = None
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -320,6 +326,10 @@ class Proxy:
             await response.aclose()
 
     def _outgoing(self, request: VllmRequest) -> httpx.Request:
+        """The request to send to vLLM; InvalidRequest for a route closed to jobs (a job's,
+        a batch line's)."""
+        if (problem := closed_route_problem(request.route, self._closed_routes)) is not None:
+            raise InvalidRequest(problem)
         return self._get_client().build_request(
             request.method,
             # An absolute URL: merging with a base_url re-parses both on every request.

@@ -11,18 +11,26 @@ adapters are fetched into (``LORA_ADAPTERS_DIR``: on the volume when there is on
 local cache), the largest rank vLLM loads (``LORA_ADAPTERS_MAX_RANK``, from the command) and
 vLLM's own address (``LORA_ADAPTERS_VLLM_URL``), where the resolver unloads an adapter before
 it evicts its files.
+
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` also opens vLLM's ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (any local path loaded, any adapter taken out). When the worker
+turned it on for the bucket, and not the user, those routes stay closed to jobs and to a load
+balancer's clients (:attr:`BucketAdapters.closed_routes`, :func:`closed_route_problem`): the
+resolver calls vLLM's own port, which neither relays.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from worker.errors import ConfigError
 
-__all__ = ["BucketAdapters", "bucket_adapters", "plain_name_problem"]
+__all__ = ["ADMIN_ROUTES", "BucketAdapters", "bucket_adapters", "closed_route_problem",
+           "plain_name_problem"]
 
 URI_VARIABLE = "LORA_ADAPTERS_URI"
 DIR_VARIABLE = "LORA_ADAPTERS_DIR"
@@ -33,6 +41,8 @@ PLUGIN = "lora_bucket_resolver"
 RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
 DOCS = "docs/adapters.md#adapters-from-a-bucket"
+#: vLLM's routes that VLLM_ALLOW_RUNTIME_LORA_UPDATING opens.
+ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 #: The plugin's rule (plugin/lora_bucket/checks.py, name_problem): the same names pass.
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -59,6 +69,9 @@ class BucketAdapters:
     uri: str
     env: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    closed_routes: tuple[str, ...] = ()
+    """vLLM's routes refused to jobs and to a load balancer's clients: those that
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` opens, when the worker turned it on."""
 
     def folder_of(self, name: str) -> str:
         return f"{self.uri}/{name}/"
@@ -91,9 +104,12 @@ def bucket_adapters(
     uri = "s3://" + "/".join([bucket, *parts])
     added: dict[str, str] = {RANK_VARIABLE: str(max_rank), URL_VARIABLE: vllm_url}
     notes = []
+    closed: tuple[str, ...] = ()
     if env.get(RUNTIME_VARIABLE, "").strip().lower() not in ("1", "true"):
         added[RUNTIME_VARIABLE] = "true"
-        notes.append(f"{RUNTIME_VARIABLE}=true: set by the worker for {URI_VARIABLE}")
+        closed = ADMIN_ROUTES
+        notes.append(f"{RUNTIME_VARIABLE}=true: set by the worker for {URI_VARIABLE}; "
+                     f"{' and '.join(ADMIN_ROUTES)} stay closed to jobs and clients")
     plugins = env.get(PLUGINS_VARIABLE)
     if plugins is not None and PLUGIN not in plugins.split(","):
         added[PLUGINS_VARIABLE] = f"{plugins},{PLUGIN}" if plugins else PLUGIN
@@ -104,4 +120,20 @@ def bucket_adapters(
                                os.path.join(cache_home, "worker-vllm", "lora-adapters"))
         where = "on the volume" if on_volume else f"on local disk (no volume at {base_path})"
         notes.append(f"adapters from {uri} are fetched into {added[DIR_VARIABLE]} ({where})")
-    return BucketAdapters(uri, added, tuple(notes))
+    return BucketAdapters(uri, added, tuple(notes), closed)
+
+
+def closed_route_problem(route: str, closed: tuple[str, ...]) -> str | None:
+    """Why a job or a client may not reach ``route`` (a path, with its query string, as sent)
+    on vLLM, or None. The path is read as vLLM's server reads it (percent-decoded), a
+    repeated or a last ``/`` aside."""
+    if not closed:
+        return None
+    path = urllib.parse.unquote(route.split("?", 1)[0])
+    path = "/" + "/".join(part for part in path.split("/") if part)
+    if path not in closed:
+        return None
+    return (f"{path} is closed on this worker: {RUNTIME_VARIABLE} was turned on by the worker "
+            f"for {URI_VARIABLE} (vLLM asks the bucket only with it), not to load or unload "
+            f"adapters by request. Set {RUNTIME_VARIABLE}=true yourself to open "
+            f"{' and '.join(closed)} ({DOCS}).")

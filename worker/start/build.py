@@ -33,7 +33,7 @@ from worker.config.settings import WORKER_SETTING_NAMES, Settings
 from worker.config.values import is_true, parse_bool
 from worker.errors import ConfigError
 from worker.model.adapters import DEFAULT_MAX_LORA_RANK, hub_adapters_setting
-from worker.model.bucket_adapters import bucket_adapters
+from worker.model.bucket_adapters import BucketAdapters, bucket_adapters
 from worker.model.cache import CachedRepo, read_cached_repo
 from worker.model.object_store import object_store_access
 from worker.model.source import resolve_sources, runpod_cache_dir
@@ -237,7 +237,7 @@ class Builder:
         command = self._as_cluster_rank(source, command)
         command = self._for_nccl(source, command)
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
-        self._for_bucket_adapters(child, command)
+        bucket = self._for_bucket_adapters(child, command)
         hub = hub_access(child, self._read_text)
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (
             *hub.cache_dirs[:1], runpod_cache_dir(self.settings.base_path))))
@@ -250,9 +250,11 @@ class Builder:
             env=child,
             hub=hub,
             base_path=self.settings.base_path,
+            closed_routes=bucket.closed_routes if bucket is not None else (),
         )
 
-    def _for_bucket_adapters(self, child: dict[str, str], command: VllmCommand) -> None:
+    def _for_bucket_adapters(self, child: dict[str, str],
+                             command: VllmCommand) -> BucketAdapters | None:
         """vLLM's environment with what the bucket's LoRA resolver needs when
         ``LORA_ADAPTERS_URI`` is set (:mod:`worker.model.bucket_adapters`)."""
         rank = command.value("--max-lora-rank")
@@ -268,6 +270,7 @@ class Builder:
             child.update(bucket.env)
             for note in bucket.notes:
                 logger.info("adapters: %s", note)
+        return bucket
 
     def _as_cluster_rank(self, env: Mapping[str, str], command: VllmCommand) -> VllmCommand:
         """``command`` as this pod's rank of an Instant Cluster (:mod:`worker.config.cluster`),
