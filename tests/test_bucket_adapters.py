@@ -21,7 +21,14 @@ from tests.launches import launch_of
 from tests.test_bucket_fetch import BASE, ROOT, adapter
 from worker.errors import ConfigError
 from worker.model.adapters import adapter_sources
-from worker.model.bucket_adapters import ADMIN_ROUTES, closed_route_problem, plain_name_problem
+from worker.model.bucket_adapters import (
+    ADMIN_ROUTES,
+    VllmPlugins,
+    closed_route_problem,
+    missing_plugin,
+    plain_name_problem,
+    vllm_plugins,
+)
 
 
 # -- the decisions ----------------------------------------------------------------------------
@@ -93,6 +100,31 @@ def test_the_install_gives_vllm_the_entry_point(tmp_path: Path) -> None:
                                                    "lora_bucket.resolver:register")]
     assert (tmp_path / "lora_bucket" / "fetch.py").is_file()
     assert not list(tmp_path.rglob("__pycache__"))
+
+
+def test_the_worker_asks_vllms_python_for_the_plugin(tmp_path: Path) -> None:
+    """The start asks vLLM's Python which plugins it has: this Python has no plugin's entry
+    point; with the install's folder on its path (vLLM's environment), it has the resolver's."""
+    without = vllm_plugins(sys.executable, {"PATH": "/usr/bin:/bin"})
+    assert without is not None and "lora_bucket_resolver" not in without.names
+    error = missing_plugin("s3://b/loras", without)
+    assert error is not None and error.type == "startup_error"
+    assert error.extra == {"kind": "adapter_plugin_missing"}
+    assert error.message.startswith(
+        f"LORA_ADAPTERS_URI=s3://b/loras needs the resolver plugin lora_bucket_resolver in "
+        f"vLLM's Python, and {sys.executable} has no such entry point (vllm.general_plugins: ")
+    assert f"Fix: install it with that Python, `{sys.executable} " \
+        "scripts/install_adapter_plugin.py`" in error.message
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "install_adapter_plugin.py"),
+                    "--target", str(tmp_path)], check=True, timeout=60)
+    found = vllm_plugins(sys.executable, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert found is not None and "lora_bucket_resolver" in found.names
+    assert missing_plugin("s3://b/loras", found) is None
+    # An interpreter that cannot be asked: not known, nothing claimed.
+    assert vllm_plugins(None) is None
+    assert vllm_plugins(str(tmp_path / "no-python")) is None
+    assert missing_plugin("s3://b/x", VllmPlugins("/py", ("lora_filesystem_resolver",))) \
+        is not None
 
 
 # -- what the worker sets up ------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.lb_worker import LbWorker, start_lb_worker
 from tests.worker_process import wait_until
 
 StartLb = Callable[..., LbWorker]
+FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 
 
 @pytest.fixture
@@ -120,6 +122,28 @@ def test_the_adapter_routes_the_worker_opened_for_the_bucket_are_refused(
     assert echo["path"] == "/echo"  # every other route is relayed
     assert ("/v1/load_lora_adapter and /v1/unload_lora_adapter stay closed to jobs and "
             "clients") in closed.worker.log()
+
+
+def test_without_the_buckets_resolver_in_vllms_python_every_request_says_what_to_install(
+    start_lb: StartLb, tmp_path: Path,
+) -> None:
+    """vLLM's Python (here this one, which runs the stand-in: it has no plugin's entry point)
+    lacks the bucket's resolver: the start ends with a startup_error naming the install step,
+    which every request gets, and vLLM is never launched."""
+    vllm = tmp_path / "python-vllm" / "vllm"
+    vllm.parent.mkdir()
+    vllm.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                    f"os.execv(sys.executable, [sys.executable, {str(FAKE_VLLM)!r}, "
+                    "*sys.argv[1:]])\n")
+    vllm.chmod(0o755)
+    lb = start_lb({"LORA_ADAPTERS_URI": "s3://tuned/adapters"}, vllm=vllm)
+    lb.wait_for_status(200, timeout=60)
+    answer = httpx.post(f"{lb.url}/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert (error["type"], error["kind"]) == ("startup_error", "adapter_plugin_missing")
+    assert f"`{sys.executable} scripts/install_adapter_plugin.py`" in error["message"]
+    assert "launching:" not in lb.worker.log()  # vLLM never started
 
 
 def test_a_stream_is_relayed_as_it_comes(start_lb: StartLb) -> None:

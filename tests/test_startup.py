@@ -214,3 +214,33 @@ async def test_vllm_is_launched_again_once_the_hub_answers(tmp_path: Path) -> No
                             tmp_path, hub_check=flaky, hub_retry_timeout=30).run()
     assert outcome.ready and outcome.tried == []
     assert [p.stopped for p in script.launches] == [True, False]
+
+
+@pytest.mark.parametrize("has_it", [False, True])
+async def test_without_the_buckets_resolver_in_vllms_python_nothing_is_launched(
+    tmp_path: Path, has_it: bool
+) -> None:
+    """LORA_ADAPTERS_URI needs the resolver plugin in vLLM's Python: without its entry point
+    the start ends with what to install, before vLLM is launched."""
+    from worker.model.bucket_adapters import VllmPlugins
+
+    script = Script((Readiness.HEALTHY, []))
+    asked: list[str] = []
+
+    def plugins(launch: Launch) -> VllmPlugins:
+        asked.append(launch.env["LORA_ADAPTERS_URI"])
+        names = ("lora_bucket_resolver",) if has_it else ("lora_filesystem_resolver",)
+        return VllmPlugins("/opt/vllm/bin/python", names)
+
+    run = startup({"LORA_ADAPTERS_URI": "s3://b/loras", "ENABLE_LORA": "true"}, script,
+                  tmp_path)
+    run._plugins = plugins
+    outcome = await run.run()
+    assert asked == ["s3://b/loras"]
+    if has_it:
+        assert outcome.ready and len(script.launches) == 1
+        return
+    assert outcome.error is not None and outcome.error.extra == {
+        "kind": "adapter_plugin_missing"}
+    assert "/opt/vllm/bin/python scripts/install_adapter_plugin.py" in outcome.error.message
+    assert script.launches == []

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from worker.errors import ConfigError
+from worker.errors import ConfigError, StartupError
 
-__all__ = ["ADMIN_ROUTES", "BucketAdapters", "bucket_adapters", "closed_route_problem",
-           "plain_name_problem"]
+__all__ = ["ADMIN_ROUTES", "BucketAdapters", "VllmPlugins", "bucket_adapters",
+           "closed_route_problem", "missing_plugin", "plain_name_problem", "vllm_plugins"]
 
 URI_VARIABLE = "LORA_ADAPTERS_URI"
 DIR_VARIABLE = "LORA_ADAPTERS_DIR"
@@ -41,6 +42,10 @@ PLUGIN = "lora_bucket_resolver"
 RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
 DOCS = "docs/adapters.md#adapters-from-a-bucket"
+#: Where vLLM finds its general plugins (the resolver's entry point is one).
+PLUGIN_GROUP = "vllm.general_plugins"
+INSTALL_STEP = "scripts/install_adapter_plugin.py"
+_PLUGINS_QUERY_TIMEOUT = 20.0
 #: vLLM's routes that VLLM_ALLOW_RUNTIME_LORA_UPDATING opens.
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
@@ -137,3 +142,46 @@ def closed_route_problem(route: str, closed: tuple[str, ...]) -> str | None:
             f"for {URI_VARIABLE} (vLLM asks the bucket only with it), not to load or unload "
             f"adapters by request. Set {RUNTIME_VARIABLE}=true yourself to open "
             f"{' and '.join(closed)} ({DOCS}).")
+
+
+@dataclass(frozen=True)
+class VllmPlugins:
+    """vLLM's general plugins (their entry points' names) that vLLM's ``python`` has."""
+
+    python: str
+    names: tuple[str, ...]
+
+
+def vllm_plugins(python: str | None, env: Mapping[str, str] | None = None) -> VllmPlugins | None:
+    """The entry points of ``PLUGIN_GROUP`` that ``python`` (vLLM's interpreter) has, read
+    from package metadata by a short subprocess of it, in ``env`` (vLLM's environment: its
+    ``PYTHONPATH``), without importing vLLM; None when it cannot be known (no interpreter,
+    it failed)."""
+    if python is None:
+        return None
+    script = ("import importlib.metadata as m\n"
+              f"for e in m.entry_points(group={PLUGIN_GROUP!r}): print(e.name)\n")
+    try:
+        done = subprocess.run([python, "-c", script], capture_output=True, text=True,
+                              timeout=_PLUGINS_QUERY_TIMEOUT, check=False,
+                              env=None if env is None else dict(env))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return VllmPlugins(python, tuple(sorted(set(done.stdout.split()))))
+
+
+def missing_plugin(uri: str, plugins: VllmPlugins) -> StartupError | None:
+    """The start's error when vLLM's Python has no entry point of the bucket's resolver:
+    vLLM would never ask the bucket, and every adapter of it would be unknown."""
+    if PLUGIN in plugins.names:
+        return None
+    found = ", ".join(plugins.names) or "none"
+    return StartupError(
+        f"{URI_VARIABLE}={uri} needs the resolver plugin {PLUGIN} in vLLM's Python, and "
+        f"{plugins.python} has no such entry point ({PLUGIN_GROUP}: {found}), so vLLM would "
+        f"never ask the bucket. Fix: install it with that Python, `{plugins.python} "
+        f"{INSTALL_STEP}` (the worker's image does so at build), or unset {URI_VARIABLE} "
+        f"({DOCS}).",
+        kind="adapter_plugin_missing")

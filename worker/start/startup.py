@@ -31,13 +31,14 @@ from worker.config.resolved import Launch, VllmCommand
 from worker.errors import ConfigError, StartupError, WorkerError
 from worker.model.adapters import adapter_sources, missing_adapter_folder
 from worker.model.bucket import list_objects
+from worker.model.bucket_adapters import VllmPlugins, missing_plugin, vllm_plugins
 from worker.model.messages import HubMessage
 from worker.model.prefetch import Download, Prefetch, downloads_of
 from worker.model.preflight import PreflightResult, preflight
 from worker.model.progress import DownloadStatus, StartProgress
 from worker.model.weights import model_weights
 from worker.secrets import SecretMasker
-from worker.start.build import Builder
+from worker.start.build import Builder, vllm_python
 from worker.start.diagnosis import diagnose
 from worker.start.fit import WeightCheck, check_weights, context_line, fitted_context
 from worker.start.gpus import Gpu, memories, query_gpus
@@ -122,7 +123,10 @@ class Startup:
         gpus: Gpus = query_gpus,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        plugins: Callable[[Launch], VllmPlugins | None] | None = None,
     ) -> None:
+        """``plugins``: vLLM's general plugins for a launch (default: asked of vLLM's Python,
+        :func:`worker.model.bucket_adapters.vllm_plugins`)."""
         self.builder = builder
         self.settings = builder.settings
         self._masker = masker
@@ -132,6 +136,7 @@ class Startup:
         self._wait_healthy = wait_healthy or self._wait_until_healthy
         self._start_download = start_download or self._prefetch
         self._query_gpus = gpus
+        self._plugins = plugins or self._vllm_plugins
         self._clock = clock
         self._sleep = sleep
         self._downloading: set[str] = set()
@@ -169,6 +174,10 @@ class Startup:
             logger.warning("%s", warning)
         if (no_folder := missing_adapter_folder(adapters)) is not None:
             return StartOutcome(no_folder, launch.command)
+        if adapters.bucket is not None and (
+                no_plugin := await asyncio.to_thread(self._bucket_plugin, launch,
+                                                     adapters.bucket)) is not None:
+            return StartOutcome(no_plugin, launch.command)
 
         hub = asyncio.create_task(self._check_hub(launch))
         tried: list[str] = []
@@ -227,6 +236,19 @@ class Startup:
         if result.outage is None:
             return None
         return HubDown(result.outage, self._clock() - since)
+
+    def _vllm_plugins(self, launch: Launch) -> VllmPlugins | None:
+        return vllm_plugins(vllm_python(self.settings.vllm_executable), launch.env)
+
+    def _bucket_plugin(self, launch: Launch, uri: str) -> StartupError | None:
+        """The bucket's resolver must be in vLLM's Python (runs a subprocess: off the loop)."""
+        plugins = self._plugins(launch)
+        if plugins is None:
+            logger.warning("adapters: vLLM's Python could not be asked for its plugins "
+                           "(VLLM_EXECUTABLE=%s): the worker did not check that it has the "
+                           "bucket's resolver", self.settings.vllm_executable)
+            return None
+        return missing_plugin(uri, plugins)
 
     def _build(self, env: dict[str, str]) -> Launch:
         launch = self.builder.launch(env)
