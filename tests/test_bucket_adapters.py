@@ -187,6 +187,35 @@ def test_without_enable_lora_the_worker_warns() -> None:
     assert any("LoRA is off in vLLM: set ENABLE_LORA=true" in w for w in sources.warnings)
 
 
+def test_a_disk_bound_that_is_no_finite_number_is_a_configuration_error() -> None:
+    for value in ("nan", "inf", "-inf", "NaN", "1e400", "x"):
+        with pytest.raises(ConfigError, match=f"LORA_ADAPTERS_DISK_GIB={value!r} is not a "
+                                              "positive number of GiB"):
+            launch_of({"MODEL_NAME": BASE, "LORA_ADAPTERS_URI": "s3://b/x",
+                       "LORA_ADAPTERS_DISK_GIB": value})
+        # The plugin's own reading says so too, where vLLM's start would have crashed.
+        assert settings_of({"LORA_ADAPTERS_URI": "s3://b/x",
+                            "LORA_ADAPTERS_DISK_GIB": value}) == (
+            "LORA_ADAPTERS_DISK_GIB and LORA_ADAPTERS_MAX_RANK must be finite numbers")
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("127.0.0.1", "http://127.0.0.1:18000"), ("0.0.0.0", "http://127.0.0.1:18000"),
+    ("::", "http://[::1]:18000"), ("::1", "http://[::1]:18000"),
+    ("10.1.2.3", "http://10.1.2.3:18000"),
+])
+def test_the_resolver_reaches_its_vllm_whatever_host_vllm_listens_on(host: str,
+                                                                     url: str) -> None:
+    from tests.launches import CATALOG
+    from worker.config.settings import Settings
+    from worker.start.build import Builder
+
+    builder = Builder(Settings(base_path="/nonexistent"),
+                      {"MODEL_NAME": BASE, "LORA_ADAPTERS_URI": "s3://b/x"}, host=host,
+                      port=18000, catalog_loader=lambda *_: CATALOG)
+    assert builder.launch().env["LORA_ADAPTERS_VLLM_URL"] == url
+
+
 @pytest.mark.parametrize("value", ["gs://b/x", "s3://", "s3://b/../x"])
 def test_a_uri_the_resolver_cannot_use_is_a_configuration_error(value: str) -> None:
     with pytest.raises(ConfigError, match="is not a bucket's prefix"):

@@ -51,7 +51,9 @@ def store() -> Iterator[FakeS3]:
     uploads = {name: adapter() for name in ("sql", "chat", "a", "b", "c", "d", "killed")}
     uploads |= {"other-base": adapter(base="org/another"), "big": adapter(rank=64),
                 "prefix-tuning": adapter(peft="PREFIX_TUNING"),
-                "no-weights": {"adapter_config.json": adapter()["adapter_config.json"]}}
+                "no-weights": {"adapter_config.json": adapter()["adapter_config.json"]},
+                # A file named as the fetch's reservation: never written over it.
+                "reserved-key": {**adapter(), RESERVED: b"5"}}
     for name, files in uploads.items():
         for file, data in files.items():
             client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}/{file}", Body=data)
@@ -145,6 +147,57 @@ def test_a_name_the_bucket_does_not_have_is_left_to_the_other_resolvers(
     assert fetch.fetch("nope") is None
     assert fetch.fetch("acme/sql") is None  # a Hub name: never asked of the bucket
     assert not (tmp_path / "nope").exists()
+
+
+def test_a_name_the_bucket_does_not_have_leaves_no_file(store: FakeS3, tmp_path: Path) -> None:
+    """A job naming a model of another provider, or a typo: the bucket is asked, and nothing
+    is written for the name (no lock of it stays in the folder)."""
+    fetch = fetcher(store, tmp_path)
+    for name in ("gpt-4o", "nope", "gpt-4o"):
+        assert fetch.fetch(name) is None
+    assert list(tmp_path.rglob("*")) == []
+    assert fetch.fetch("sql") == tmp_path / "sql"  # one the bucket has: fetched as before
+
+
+def test_a_fetch_counts_toward_the_bound_until_it_is_in_place(
+    store: FakeS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another fetch's room counts this one's bytes at every moment: under way up to the
+    rename that puts it in place, a whole adapter from the rename on."""
+    real_rename = os.rename
+    counted: list[int] = []
+
+    def total() -> int:
+        disk = AdapterDisk(tmp_path, 1 << 30)
+        return disk.in_flight() + sum(entry.size for entry in disk.entries())
+
+    def rename(source: Any, target: Any) -> None:
+        into_place = Path(target).parent == tmp_path  # not an eviction's
+        if into_place:
+            counted.append(total())
+        real_rename(source, target)
+        if into_place:
+            counted.append(total())
+
+    monkeypatch.setattr(os, "rename", rename)
+    assert fetcher(store, tmp_path).fetch("chat") == tmp_path / "chat"
+    size = len(adapter()["adapter_config.json"]) + len(WEIGHTS)
+    assert len(counted) == 2 and min(counted) >= size, counted
+    assert not (tmp_path / "chat" / RESERVED).exists()  # the reservation ends with the fetch
+
+
+def test_a_file_of_the_bucket_named_as_the_reservation_is_not_fetched(
+    store: FakeS3, tmp_path: Path
+) -> None:
+    fetch = fetcher(store, tmp_path)
+    reserved: list[int] = []
+    assert isinstance(fetch.store, Counting)
+    fetch.store.on_download = lambda key: reserved.append(fetch.disk.in_flight())
+    assert fetch.fetch("reserved-key") == tmp_path / "reserved-key"
+    size = len(adapter()["adapter_config.json"]) + len(WEIGHTS)
+    assert reserved == [size, size]  # the fetch's own reservation, at each file
+    assert sorted(p.name for p in (tmp_path / "reserved-key").iterdir()) == [
+        MARKER, "adapter_config.json", "adapter_model.safetensors"]
 
 
 @pytest.mark.parametrize(

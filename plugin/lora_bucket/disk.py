@@ -147,12 +147,14 @@ class AdapterDisk:
         try:
             write(partial)
             (partial / MARKER).write_text(json.dumps({"source": source, "size": size}))
-            (partial / RESERVED).unlink(missing_ok=True)
             final = self.path(name)
             if final.exists():  # a folder of the user's, or left whole by another worker
                 shutil.rmtree(partial)
                 return final
+            # Renamed with its reservation: a fetch under way until the rename, a whole
+            # adapter from it on, so that another fetch's room counts it at every moment.
             os.rename(partial, final)
+            (final / RESERVED).unlink(missing_ok=True)
             self.touch(name)
             return final
         except BaseException:

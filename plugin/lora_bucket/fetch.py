@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_bucket.checks import DOCS, AdapterError, BucketUri, judge_config, name_problem
-from lora_bucket.disk import MARKER, AdapterDisk
+from lora_bucket.disk import MARKER, RESERVED, AdapterDisk
 from lora_bucket.store import Store, StoreError
 
 __all__ = ["Fetcher", "explain_store_error"]
@@ -72,6 +72,13 @@ class Fetcher:
             return None
         found: Path | None = None
         try:
+            config = None
+            if not self.disk.whole(name):
+                # The bucket is asked before anything is written for the name: one it does
+                # not have (a typo, another provider's model) leaves no file behind.
+                config = self._config(name)
+                if config is None:
+                    return None
             self.disk.hold(name)
             if self.disk.whole(name):
                 self.disk.touch(name)
@@ -81,8 +88,8 @@ class Fetcher:
                 if self.disk.whole(name):  # another fetch finished while this one waited
                     self.disk.touch(name)
                     found = self.disk.path(name)
-                else:
-                    found = self._fetch(name)
+                elif (config := config or self._config(name)) is not None:
+                    found = self._fetch(name, config)
             return found
         except OSError as exc:  # the folder: not writable, full, no locks on its file system
             raise AdapterError(
@@ -95,16 +102,21 @@ class Fetcher:
             if found is None:  # nothing of it for vLLM to hold on to
                 self.disk.release(name)
 
-    def _fetch(self, name: str) -> Path | None:
-        source, prefix = self.source, self.source.uri()
-        adapter = f"the adapter {name!r} in {prefix}"
+    def _config(self, name: str) -> bytes | None:
+        """The adapter's ``adapter_config.json``; None when the bucket has none."""
+        prefix = self.source.uri()
         try:
-            config = self.store.get(source.key(name, CONFIG))
+            return self.store.get(self.source.key(name, CONFIG))
         except StoreError as exc:
             if exc.kind == "missing":
                 return None
-            raise AdapterError(explain_store_error(exc, "read", f"the {CONFIG} of {adapter}",
-                                                   prefix)) from None
+            raise AdapterError(explain_store_error(
+                exc, "read", f"the {CONFIG} of the adapter {name!r} in {prefix}",
+                prefix)) from None
+
+    def _fetch(self, name: str, config: bytes) -> Path:
+        source, prefix = self.source, self.source.uri()
+        adapter = f"the adapter {name!r} in {prefix}"
         _, problem = judge_config(config, name=name, base_model=self.base_model,
                                   max_rank=self.max_rank)
         if problem is not None:
@@ -159,6 +171,7 @@ class Fetcher:
 
 def _safe(path: str) -> bool:
     """A key below the adapter's folder that stays in it once written (no ``..``, no
-    absolute part, not the marker the fetch writes)."""
+    absolute part, not the marker or the reservation the fetch writes)."""
     parts = path.split("/")
-    return (all(part not in ("", ".", "..") for part in parts) and path != MARKER)
+    return (all(part not in ("", ".", "..") for part in parts)
+            and path not in (MARKER, RESERVED))

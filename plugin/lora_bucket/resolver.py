@@ -71,10 +71,11 @@ def settings_of(env: Mapping[str, str]) -> PluginSettings | str | None:
     try:
         gib = float(env.get(DISK_VARIABLE, "").strip() or DEFAULT_DISK_GIB)
         rank = int(env.get(RANK_VARIABLE, "").strip() or DEFAULT_RANK)
-    except ValueError:
-        return f"{DISK_VARIABLE} and {RANK_VARIABLE} must be numbers"
+        bound = int(gib * (1 << 30))  # nan: ValueError, inf: OverflowError
+    except (ValueError, OverflowError):
+        return f"{DISK_VARIABLE} and {RANK_VARIABLE} must be finite numbers"
     root = Path(base) / source.bucket / (source.prefix or "_")
-    return PluginSettings(source, root, int(gib * (1 << 30)), rank,
+    return PluginSettings(source, root, bound, rank,
                           env.get(FOLDER_VARIABLE, "").strip() or None,
                           env.get(URL_VARIABLE, "").strip().rstrip("/") or None)
 

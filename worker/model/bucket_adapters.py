@@ -21,6 +21,7 @@ resolver calls vLLM's own port, which neither relays.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -101,7 +102,7 @@ def bucket_adapters(
             "only S3 and S3-compatible stores are read.")
     disk = env.get(DISK_VARIABLE, "").strip()
     try:
-        if disk and float(disk) <= 0:
+        if disk and not 0 < float(disk) < math.inf:  # nan compares false: refused too
             raise ValueError(disk)
     except ValueError:
         return ConfigError(f"{DISK_VARIABLE}={disk!r} is not a positive number of GiB. Fix: "

@@ -258,7 +258,8 @@ class Builder:
         """vLLM's environment with what the bucket's LoRA resolver needs when
         ``LORA_ADAPTERS_URI`` is set (:mod:`worker.model.bucket_adapters`)."""
         rank = command.value("--max-lora-rank")
-        local = "127.0.0.1" if self._host in ("0.0.0.0", "") else self._host
+        local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(
+            self._host, f"[{self._host}]" if ":" in self._host else self._host)
         bucket = bucket_adapters(
             child, max_rank=int(rank) if rank is not None and rank.isdigit()
             else DEFAULT_MAX_LORA_RANK, base_path=self.settings.base_path,
