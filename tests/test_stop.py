@@ -38,6 +38,7 @@ from worker.config.stop import (
     EXIT_MARGIN,
     VLLM_STOP_MAX,
     StopClock,
+    drain_cut,
     stop_budget,
 )
 from worker.start.supervisor import VllmProcess, group_members
@@ -66,6 +67,37 @@ def test_the_drain_is_what_the_grace_leaves(grace: float, drain_timeout: float,
     # the whole stop ends within the grace (a grace shorter than the exit has only the exit).
     stop = budget.drain + budget.vllm_grace(budget.drain) + EXIT_MARGIN
     assert stop <= max(grace, EXIT_MARGIN) + 1e-9
+
+
+@pytest.mark.parametrize(("grace", "drain_timeout", "cut_to", "whole_from"), [
+    (10, 120, 4.5, 126),  # a user's 120 s under the default grace
+    (4, 30, 1.5, 36),
+    (5, 4, 2, 9),  # a drain shorter than vLLM's share: the grace for it is smaller
+    (10, 4.5, None, None),  # it fits: nothing to say
+    (36, 30, None, None),
+])
+def test_a_drain_the_grace_cuts_is_said_with_both_settings(
+    grace: float, drain_timeout: float, cut_to: float | None, whole_from: float | None
+) -> None:
+    said = drain_cut(grace, drain_timeout)
+    if cut_to is None:
+        assert said is None
+        return
+    assert said is not None and said.startswith(
+        f"WORKER_DRAIN_TIMEOUT={drain_timeout:g} is cut to {cut_to:g} s by "
+        f"WORKER_STOP_GRACE={grace:g}")
+    assert f"whole from a grace of {whole_from:g} s" in said
+    assert whole_from is not None and stop_budget(whole_from, drain_timeout).drain == \
+        pytest.approx(drain_timeout)
+    assert stop_budget(whole_from - 0.5, drain_timeout).drain < drain_timeout  # the least
+
+
+def test_only_a_drain_the_user_set_is_said_to_be_cut() -> None:
+    defaults = Settings.from_env({})
+    assert defaults.stop.drain < defaults.drain_timeout  # the default ceiling, never reached
+    assert defaults.cut_settings({}) == []
+    env = {"WORKER_DRAIN_TIMEOUT": "120"}
+    assert Settings.from_env(env).cut_settings(env) == [drain_cut(10, 120)]
 
 
 @pytest.mark.parametrize(("grace", "elapsed", "vllm"), [
@@ -392,6 +424,8 @@ def test_a_drain_longer_than_the_grace_allows_is_cut_to_what_it_leaves(
     worker.signal(signal.SIGTERM)
     assert worker.wait(120) == 0
     log = worker.log()
+    cut = log.index("WORKER_DRAIN_TIMEOUT=30 is cut to 1.5 s by WORKER_STOP_GRACE=4")
+    assert cut < log.index("taking jobs")  # said at start, not only when the stop comes
     assert "SIGTERM: no new jobs; draining 1 in flight for up to 1.5 s (of the 4 s" in log
     assert "1 job(s) still running after 1.5 s: cancelling them" in log
     assert not "".join(job_api.jobs[job].outputs).endswith("data: [DONE]\n\n")

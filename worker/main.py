@@ -192,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         settings, settings_error = Settings.defaults(env), exc
     setup_logging(masker, settings.log_level)
+    for cut in settings.cut_settings(env) if settings_error is None else ():
+        logger.warning("%s", cut)
     # The SDK logs every streamed chunk at its default level DEBUG.
     os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")
     mode = settings.effective_mode

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.config.stop import StopBudget, stop_budget
+from worker.config.stop import StopBudget, drain_cut, stop_budget
 from worker.config.values import parse_bool
 from worker.errors import ConfigError
 
@@ -443,6 +443,13 @@ class Settings:
     def stop(self) -> StopBudget:
         """How a stop shares WORKER_STOP_GRACE: the drain, then vLLM's stop."""
         return stop_budget(self.stop_grace, self.drain_timeout)
+
+    def cut_settings(self, env: Mapping[str, str]) -> list[str]:
+        """What to say at start of a setting the user set (in ``env``) that another cuts."""
+        if not env.get("WORKER_DRAIN_TIMEOUT", "").strip():
+            return []  # the default drain: a ceiling that the default grace never reaches
+        cut = drain_cut(self.stop_grace, self.drain_timeout)
+        return [] if cut is None else [cut]
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -80,3 +80,25 @@ def stop_budget(grace: float, drain_timeout: float) -> StopBudget:
     usable = max(0.0, grace - EXIT_MARGIN)
     share = min(VLLM_SHARE, usable / 2)
     return StopBudget(grace, max(0.0, min(drain_timeout, usable - share)))
+
+
+def drain_cut(grace: float, drain_timeout: float) -> str | None:
+    """What the start says when ``WORKER_STOP_GRACE`` cuts the ``WORKER_DRAIN_TIMEOUT`` a user
+    set (None when the drain gets it whole): both settings, and what the drain gets."""
+    drain = stop_budget(grace, drain_timeout).drain
+    if drain >= drain_timeout:
+        return None
+    return (f"WORKER_DRAIN_TIMEOUT={drain_timeout:g} is cut to {drain:g} s by "
+            f"WORKER_STOP_GRACE={grace:g}: the stop keeps the rest of the grace for vLLM's "
+            f"stop and the worker's exit. Where the platform waits longer between its SIGTERM "
+            f"and its SIGKILL, set WORKER_STOP_GRACE to that; the drain gets "
+            f"WORKER_DRAIN_TIMEOUT whole from a grace of "
+            f"{_grace_for(drain_timeout):g} s.")
+
+
+def _grace_for(drain_timeout: float) -> float:
+    """The least grace whose plan gives the drain ``drain_timeout`` whole (vLLM's share is
+    half of what the exit leaves, up to VLLM_SHARE)."""
+    if drain_timeout >= VLLM_SHARE:
+        return drain_timeout + VLLM_SHARE + EXIT_MARGIN
+    return 2 * drain_timeout + EXIT_MARGIN
