@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +63,9 @@ from tests.worker_process import WorkerProcess, base_env  # noqa: E402
 from worker.jobs.vllm_metrics import Load, parse_metrics  # noqa: E402
 
 GOAL_AUTO_TO_BEST_FIXED = 0.95
+#: What the chat jobs ask about: prompts that vary, as users' do.
+TOPICS = ("the sea", "a bicycle", "prime numbers", "bread", "the moon", "a library",
+          "rain", "chess", "volcanoes", "a garden", "trains", "music")
 GOAL_WAITING_P90 = 1.0
 #: The saturation part's jobs: a prompt of about 32 tokens, 96 written.
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
@@ -96,6 +99,22 @@ class Sampler:
             if load is not None:
                 queued = len(self.api.queue) if self.api is not None else 0
                 self.samples.append(Sample(time.monotonic(), load, queued))
+
+    def figures(self) -> dict[str, float]:
+        """vLLM's waiting requests (while jobs remained in the platform's queue, or all
+        along straight to vLLM) and its preemptions over the samples."""
+        busy = [s for s in self.samples if s.queued > 0] if self.api is not None \
+            else self.samples
+        waiting = [s.load.waiting for s in busy]
+        return {
+            "samples": len(busy),
+            "waiting_p50": percentile(waiting, 0.5) if waiting else 0.0,
+            "waiting_p90": percentile(waiting, 0.9) if waiting else 0.0,
+            "waiting_max": max(waiting, default=0.0),
+            "running_p50": statistics.median([s.load.running for s in busy] or [0]),
+            "preemptions": (self.samples[-1].load.preemptions - self.samples[0].load.preemptions)
+            if self.samples else 0.0,
+        }
 
     @contextmanager
     def running(self) -> Iterator[Sampler]:
@@ -131,10 +150,6 @@ def worker(api: FakeJobApi, scratch: Path, name: str, setting: str,
         process.kill()
 
 
-def job_input() -> dict[str, Any]:
-    return {"prompt": PROMPT, "sampling_params": {"max_tokens": OUT_TOKENS, "ignore_eos": True}}
-
-
 def run_jobs(api: FakeJobApi, inputs: list[dict[str, Any]], timeout: float = 1800
              ) -> dict[str, float]:
     """Queue every job at once; wait for all; the platform's figures."""
@@ -148,76 +163,202 @@ def run_jobs(api: FakeJobApi, inputs: list[dict[str, Any]], timeout: float = 180
     last = max(r.done_at or 0.0 for r in records)
     waits = [(r.taken_at or 0.0) - r.submitted_at for r in records]
     return {"seconds": last - first, "jobs": len(records), "peak_in_flight": peak_in_flight(
-        records), "wait_p50_s": percentile(waits, 0.5), "wait_p90_s": percentile(waits, 0.9)}
+        records), "wait_p50_s": percentile(waits, 0.5), "wait_p90_s": percentile(waits, 0.9),
+        "tokens": sum(completion_tokens(r.done) for r in records)}
 
 
-async def direct(url: str, model: str, jobs: int, concurrency: int) -> float:
-    """Seconds for ``jobs`` requests straight to vLLM, ``concurrency`` in flight (aiohttp: the
-    worker's own transport; httpx's own pool is the bottleneck at these concurrencies, 868
-    tokens/s at 30 where aiohttp got 5,423 from the same vLLM)."""
+def completion_tokens(done: object) -> int:
+    """The tokens an answer wrote, from its usage."""
+    output = done.get("output") if isinstance(done, dict) else None
+    if isinstance(output, list) and len(output) == 1:
+        output = output[0]
+    usage = output.get("usage") if isinstance(output, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else 0
+
+
+async def direct(url: str, model: str,
+                 request: Callable[[int, str], tuple[str, dict[str, Any]]], jobs: int,
+                 concurrency: int) -> tuple[int, float]:
+    """The tokens written and the seconds taken by ``jobs`` requests straight to vLLM,
+    ``concurrency`` in flight (aiohttp: the worker's own transport; httpx's own pool is the
+    bottleneck at these concurrencies, 868 tokens/s at 30 where aiohttp got 5,423 from the
+    same vLLM)."""
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     async with aiohttp.ClientSession(connector=connector) as session:
         slots = asyncio.Semaphore(concurrency)
 
-        async def one() -> None:
-            async with slots, session.post(url + "/v1/completions", json={
-                    "model": model, "prompt": PROMPT, "max_tokens": OUT_TOKENS,
-                    "ignore_eos": True}) as response:
-                await response.read()
+        async def one(number: int) -> int:
+            route, body = request(number, model)
+            async with slots, session.post(url + route, json=body) as response:
+                answer = await response.json()
                 response.raise_for_status()
+            return completion_tokens({"output": answer})
 
         started = time.monotonic()
-        await asyncio.gather(*(one() for _ in range(jobs)))
-        return time.monotonic() - started
+        tokens = await asyncio.gather(*(one(n) for n in range(jobs)))
+        return sum(tokens), time.monotonic() - started
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row group of the comparison: the worker's environment and its jobs."""
+
+    name: str
+    title: str
+    env: dict[str, str]
+    job: Callable[[int], dict[str, Any]]  # the job's input, by its number
+    direct: Callable[[int, str], tuple[str, dict[str, Any]]]  # route and body straight to vLLM
+
+
+def completion_job(_: int) -> dict[str, Any]:
+    return {"prompt": PROMPT, "sampling_params": {"max_tokens": OUT_TOKENS, "ignore_eos": True}}
+
+
+def completion_direct(_: int, model: str) -> tuple[str, dict[str, Any]]:
+    return "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": OUT_TOKENS,
+                               "ignore_eos": True}
+
+
+def chat_body(number: int, model: str) -> dict[str, Any]:
+    """A chat request as the OpenAI SDK sends it: the model and the messages, nothing else
+    (no max_tokens), prompts that vary."""
+    topic = TOPICS[number % len(TOPICS)]
+    return {"model": model, "messages": [
+        {"role": "user", "content": f"Question {number}: tell me about {topic}."}]}
+
+
+def chat_job(model: str) -> Callable[[int], dict[str, Any]]:
+    def job(number: int) -> dict[str, Any]:
+        return {"openai_route": "/v1/chat/completions", "openai_input": chat_body(number, model)}
+    return job
+
+
+def chat_direct(number: int, model: str) -> tuple[str, dict[str, Any]]:
+    return "/v1/chat/completions", chat_body(number, model)
+
+
+def compare(workload: Workload, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """``auto`` against each ``--fixed`` number through the queue, then straight to vLLM at
+    each of those numbers; vLLM's waiting requests and preemptions for every row."""
+    settings = ["auto", *(str(n) for n in args.fixed)]
+    queue: dict[str, dict[str, Any]] = {}
+    straight: dict[str, dict[str, Any]] = {}
+    for setting in settings:
+        with FakeJobApi(hold=0.5) as api, worker(api, scratch, workload.name, setting,
+                                                 workload.env) as (process, port):
+            # vLLM's first big batches are slower (its allocations): not measured.
+            run_jobs(api, [workload.job(n) for n in range(args.warmup)])
+            sampler = Sampler(f"http://127.0.0.1:{port}", api)
+            with sampler.running():
+                rounds = [run_jobs(api, [workload.job(args.warmup + r * args.jobs + n)
+                                         for n in range(args.jobs)])
+                          for r in range(args.rounds)]
+            rates = [figures["tokens"] / figures["seconds"] for figures in rounds]
+            queue[setting] = {
+                "tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
+                "peak_in_flight": max(r["peak_in_flight"] for r in rounds),
+                "answer_tokens_mean": statistics.mean(r["tokens"] / r["jobs"] for r in rounds),
+                **sampler.figures()}
+            if setting == "auto":
+                queue[setting]["log_lines"] = [
+                    line for line in process.log().splitlines() if "worker.capacity:" in line]
+            print(f"{workload.name}: MAX_CONCURRENCY={setting}: "
+                  f"{queue[setting]['tokens_per_s']:.0f} tokens/s (rounds: "
+                  f"{', '.join(f'{rate:.0f}' for rate in rates)}), "
+                  f"{queue[setting]['peak_in_flight']:.0f} held at most, vLLM waiting p90 "
+                  f"{queue[setting]['waiting_p90']:.0f}, {queue[setting]['preemptions']:.0f} "
+                  "preemptions", flush=True)
+            if setting == settings[-1]:
+                model = workload.env["MODEL_NAME"]
+                for concurrency in args.fixed:
+                    sampler = Sampler(f"http://127.0.0.1:{port}", None)
+                    with sampler.running():
+                        runs = [asyncio.run(direct(f"http://127.0.0.1:{port}", model,
+                                                   workload.direct, args.jobs, concurrency))
+                                for _ in range(args.rounds)]
+                    straight[str(concurrency)] = {
+                        "tokens_per_s": statistics.median(t / sec for t, sec in runs),
+                        **sampler.figures()}
+                    print(f"{workload.name}: straight to vLLM at {concurrency}: "
+                          f"{straight[str(concurrency)]['tokens_per_s']:.0f} tokens/s",
+                          flush=True)
+    best_fixed = max(queue[str(n)]["tokens_per_s"] for n in args.fixed)
+    best_direct = max(row["tokens_per_s"] for row in straight.values())
+    auto = queue["auto"]["tokens_per_s"]
+    print(f"\n{workload.title}:")
+    print(f"  {'MAX_CONCURRENCY':>16} {'queue tok/s':>12} {'held at most':>13} "
+          f"{'waiting p90':>12} {'preemptions':>12} {'straight tok/s':>15}")
+    for setting in settings:
+        row = queue[setting]
+        print(f"  {setting:>16} {row['tokens_per_s']:>12.0f} {row['peak_in_flight']:>13.0f} "
+              f"{row['waiting_p90']:>12.0f} {row['preemptions']:>12.0f} "
+              f"{straight.get(setting, {}).get('tokens_per_s', float('nan')):>15.0f}")
+    print(f"  answers: {queue['auto']['answer_tokens_mean']:.0f} tokens on average")
+    print(f"  auto / best fixed through the queue: {auto / best_fixed:.2f} "
+          f"(goal: at least {GOAL_AUTO_TO_BEST_FIXED})")
+    print(f"  auto / best straight to vLLM: {auto / best_direct:.2f}", flush=True)
+    return {"queue": queue, "straight": straight, "auto_to_best_fixed": auto / best_fixed,
+            "auto_to_best_direct": auto / best_direct}
 
 
 def saturation(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Today's jobs, which say how long their answers are (max_tokens, ignore_eos)."""
     env = worker_env(scratch, MAX_NUM_SEQS="256", KV_CACHE_MEMORY_BYTES="128M")
-    settings = ["auto", *(str(n) for n in args.fixed)]
-    queue: dict[str, dict[str, float]] = {}
-    straight: dict[str, float] = {}
-    tokens = args.jobs * OUT_TOKENS
-    for setting in settings:
-        with FakeJobApi(hold=0.5) as api, worker(api, scratch, "saturation", setting,
-                                                 env) as (process, port):
-            # vLLM's first big batches are slower (its allocations): not measured.
-            run_jobs(api, [job_input() for _ in range(args.warmup)])
-            rounds = [run_jobs(api, [job_input() for _ in range(args.jobs)])
-                      for _ in range(args.rounds)]
-            rates = [tokens / figures["seconds"] for figures in rounds]
-            figures = {"tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
-                       "peak_in_flight": max(r["peak_in_flight"] for r in rounds)}
-            queue[setting] = figures
-            print(f"saturation: MAX_CONCURRENCY={setting}: {figures['tokens_per_s']:.0f} "
-                  f"tokens/s (rounds: {', '.join(f'{rate:.0f}' for rate in rates)}), "
-                  f"{figures['peak_in_flight']:.0f} jobs held at most", flush=True)
-            if setting == settings[-1]:
-                model = env["MODEL_NAME"]
-                for concurrency in args.fixed:
-                    straight[str(concurrency)] = statistics.median(
-                        tokens / asyncio.run(direct(f"http://127.0.0.1:{port}", model,
-                                                    args.jobs, concurrency))
-                        for _ in range(args.rounds))
-                    print(f"saturation: straight to vLLM at {concurrency}: "
-                          f"{straight[str(concurrency)]:.0f} tokens/s", flush=True)
-            if setting == "auto":
-                queue[setting]["log_lines"] = sum(
-                    1 for line in process.log().splitlines() if "worker.capacity:" in line)
-    best_fixed = max(queue[str(n)]["tokens_per_s"] for n in args.fixed)
-    best_direct = max(straight.values())
-    auto = queue["auto"]["tokens_per_s"]
-    print(f"\nsaturation ({args.jobs} jobs of {OUT_TOKENS} tokens; MAX_NUM_SEQS=256):")
-    print(f"  {'MAX_CONCURRENCY':>16} {'queue tok/s':>12} {'held at most':>13} "
-          f"{'straight tok/s':>15}")
-    for setting in settings:
-        print(f"  {setting:>16} {queue[setting]['tokens_per_s']:>12.0f} "
-              f"{queue[setting]['peak_in_flight']:>13.0f} "
-              f"{straight.get(setting, float('nan')):>15.0f}")
-    print(f"  auto / best fixed through the queue: {auto / best_fixed:.2f} "
-          f"(goal: at least {GOAL_AUTO_TO_BEST_FIXED})")
-    print(f"  auto / best straight to vLLM: {auto / best_direct:.2f}")
-    return {"queue": queue, "straight": straight, "auto_to_best_fixed": auto / best_fixed,
-            "auto_to_best_direct": auto / best_direct}
+    return compare(Workload("saturation", f"saturation ({args.jobs} jobs of {OUT_TOKENS} "
+                            "tokens, max_tokens set; MAX_NUM_SEQS=256)", env, completion_job,
+                            completion_direct), args, scratch)
+
+
+def open_chat(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Chat jobs as the OpenAI SDK sends them (no max_tokens) to a model that ends its
+    answers on its own, at the context its config says (2,048 tokens), with a KV cache for
+    16 whole contexts."""
+    model = model_variant(scratch, "stops", stop_ids=args.stop_ids)
+    env = worker_env(scratch, MAX_NUM_SEQS="256", KV_CACHE_MEMORY_BYTES="64M",
+                     MODEL_NAME=str(model))
+    env.pop("MAX_MODEL_LEN")
+    return compare(Workload("open-chat", f"chat jobs with no max_tokens ({args.jobs} a round; "
+                            "the model's context, 2,048 tokens; a KV cache for 16 of them; "
+                            "MAX_NUM_SEQS=256)", env, chat_job(str(model)), chat_direct),
+                   args, scratch)
+
+
+def fitted(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """The same jobs with MAX_MODEL_LEN unset and a model whose config claims 1M tokens: the
+    worker fits the context to the KV cache, so one job's worst case is the whole cache."""
+    model = model_variant(scratch, "stops-1m", stop_ids=args.stop_ids,
+                          config={"max_position_embeddings": 1 << 20})
+    env = worker_env(scratch, MAX_NUM_SEQS="256", KV_CACHE_MEMORY_BYTES="64M",
+                     MODEL_NAME=str(model))
+    env.pop("MAX_MODEL_LEN")
+    return compare(Workload("fitted", f"chat jobs with no max_tokens, the context fitted to "
+                            f"the KV cache ({args.jobs} a round; a config of 1,048,576 "
+                            "tokens, MAX_MODEL_LEN unset)", env, chat_job(str(model)),
+                            chat_direct), args, scratch)
+
+
+def model_variant(scratch: Path, name: str, *, stop_ids: int,
+                  config: dict[str, Any] | None = None) -> Path:
+    """The tiny model with a generation_config.json that lists ``stop_ids`` end-of-sequence
+    ids (so that its answers end on their own after some tens of tokens, as a trained model's
+    do) and ``config`` over its config.json; its other files linked."""
+    tiny = Path(worker_env(scratch)["MODEL_NAME"])
+    folder = scratch / f"model-{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in tiny.iterdir():
+        if path.name not in ("config.json", "generation_config.json") and \
+                not (folder / path.name).exists():
+            (folder / path.name).symlink_to(path)
+    model_config = {**json.loads((tiny / "config.json").read_text()), **(config or {})}
+    (folder / "config.json").write_text(json.dumps(model_config, indent=2))
+    generation = json.loads((tiny / "generation_config.json").read_text())
+    vocab = int(model_config["vocab_size"])
+    # Spread over the vocabulary past the special tokens (<s>, </s>, <pad>).
+    generation["eos_token_id"] = [generation["eos_token_id"], *(
+        3 + (i * (vocab - 3)) // stop_ids for i in range(stop_ids))]
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return folder
 
 
 def small_kv(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
@@ -231,18 +372,7 @@ def small_kv(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             with sampler.running():
                 figures = run_jobs(api, [{"prompt": "Hello", "sampling_params": {
                     "max_tokens": 400, "ignore_eos": True}} for _ in range(args.small_jobs)])
-            busy = [s for s in sampler.samples if s.queued > 0]
-            waiting = [s.load.waiting for s in busy]
-            preempted = (sampler.samples[-1].load.preemptions -
-                         sampler.samples[0].load.preemptions) if sampler.samples else 0.0
-            figures.update({
-                "samples": len(busy),
-                "waiting_p50": percentile(waiting, 0.5) if waiting else 0.0,
-                "waiting_p90": percentile(waiting, 0.9) if waiting else 0.0,
-                "waiting_max": max(waiting, default=0.0),
-                "running_p50": statistics.median([s.load.running for s in busy] or [0]),
-                "preemptions": preempted,
-            })
+            figures.update(sampler.figures())
             out[setting] = figures
             print(f"small-kv: MAX_CONCURRENCY={setting}: {figures}", flush=True)
     print(f"\nsmall KV cache (about 4 requests of 512 tokens; {args.small_jobs} jobs of 400 "
@@ -321,7 +451,8 @@ def lb(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     return out
 
 
-PARTS = {"saturation": saturation, "small-kv": small_kv, "fleet": fleet, "lb": lb}
+PARTS = {"open-chat": open_chat, "fitted": fitted, "saturation": saturation,
+         "small-kv": small_kv, "fleet": fleet, "lb": lb}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="saturation: jobs run before the measured ones, per setting")
     parser.add_argument("--fixed", type=int, nargs="+", default=[30, 64, 128, 256])
     parser.add_argument("--small-jobs", type=int, default=48, help="small-kv: jobs per setting")
+    parser.add_argument("--stop-ids", type=int, default=16,
+                        help="open-chat, fitted: end-of-sequence ids of the model's "
+                        "generation_config.json (more: shorter answers)")
     parser.add_argument("--lb-requests", type=int, default=512,
                         help="lb: requests sent at once")
     parser.add_argument("--json", type=Path, help="write the figures to this file")

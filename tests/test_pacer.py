@@ -24,6 +24,7 @@ from worker.config.capacity import Capacity
 from worker.jobs.answers import MIN_ANSWERS, PRIOR_ANSWER_TOKENS
 from worker.jobs.batch import BatchOptions, BatchRunner
 from worker.jobs.batch_format import LineAnswer
+from worker.jobs.capacity import Held, Shape
 from worker.jobs.pacer import RESERVE, Pacer
 from worker.jobs.routing import JobDefaults, VllmRequest
 from worker.jobs.vllm_metrics import Histogram, Load
@@ -46,8 +47,8 @@ class Recording(Pacer):
         self.rooms.append(super().room())
         return self.rooms[-1]
 
-    def _line_fits(self, tokens: int) -> bool:
-        self.gate.append(super()._line_fits(tokens))
+    def _line_fits(self, shape: Shape) -> bool:
+        self.gate.append(super()._line_fits(shape))
         return self.gate[-1]
 
 
@@ -110,6 +111,9 @@ async def test_a_chat_with_no_max_tokens_counts_the_answers_vllm_writes() -> Non
     pacer = Pacer(None, big)
     assert pacer.tokens("/v1/chat/completions", CHAT) == 16 * -(-(9 + PRIOR_ANSWER_TOKENS) // 16)
     assert pacer.room() == 64  # 2,048 tokens each before any job: a prompt and an answer
+    pacer.taken("early")
+    pacer.sending("early", "/v1/chat/completions", CHAT)
+    assert pacer.held().tokens == 16 * -(-(9 + PRIOR_ANSWER_TOKENS) // 16)
     pacer.observe(Load(answers=_answers(*[40] * (MIN_ANSWERS - 1))))
     assert pacer.estimate().source == "prior"  # too few answers yet
     pacer.observe(Load(answers=_answers(*[40] * MIN_ANSWERS, 300)))
@@ -117,6 +121,9 @@ async def test_a_chat_with_no_max_tokens_counts_the_answers_vllm_writes() -> Non
     # bucket of (20, 50] that holds 16 of them: 20 + 30 x 15.3 / 16.
     assert (pacer.estimate().source, pacer.estimate().tokens) == ("answers", 49)
     assert pacer.tokens("/v1/chat/completions", CHAT) == 64  # 9 + 49, in blocks of 16
+    # What vLLM's answers taught counts for the job already in vLLM too.
+    assert pacer.held() == Held(1, 64, 0, 64)
+    pacer.ended("early")
     for job in range(10):
         pacer.taken(job)
         pacer.sending(job, "/v1/chat/completions", CHAT)
@@ -138,9 +145,10 @@ async def test_a_batchs_lines_hold_vllms_room_and_leave_one_job_its_place() -> N
     pacer = Pacer(None, Capacity(8, "MAX_NUM_SEQS"), line_limit=8)
     pacer.taken("batch")
     pacer.batch("batch")
+    line = Shape((1,), 3)
     lines = 0
-    while pacer._line_fits(4):
-        await pacer.acquire_line(4)
+    while pacer._line_fits(line):
+        await pacer.acquire_line(line)
         lines += 1
     assert lines == 8 - RESERVE
     assert pacer.room() == RESERVE
@@ -148,8 +156,8 @@ async def test_a_batchs_lines_hold_vllms_room_and_leave_one_job_its_place() -> N
     pacer.sending("job", "/v1/completions", {"prompt": "x", "max_tokens": 3})
     assert pacer.room() == 0
     # A line ends: its place goes to the next take, not to the batch's next line.
-    pacer.release_line(4)
-    assert not pacer._line_fits(4)
+    pacer.release_line(line)
+    assert not pacer._line_fits(line)
     assert pacer.room() == 1
 
 

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 from worker.errors import InvalidRequest, WorkerError
 from worker.jobs import batch_format as fmt
 from worker.jobs.batch_files import BatchFiles
+from worker.jobs.capacity import Shape
 from worker.jobs.pacer import Pacer
 from worker.jobs.relay import PendingBatches
 from worker.jobs.routing import BatchPolicy, VllmRequest
@@ -73,8 +74,8 @@ async def _off_loop(big: bool, function: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(function, *args) if big else function(*args)
 
 
-def _release(pacer: Pacer, tokens: int, _task: object) -> None:
-    pacer.release_line(tokens)
+def _release(pacer: Pacer, shape: Shape, _task: object) -> None:
+    pacer.release_line(shape)
 
 
 def _result_id() -> str:
@@ -204,13 +205,13 @@ class _Run:
     async def _send_lines(self) -> None:
         pacer = self._runner._pacer
         for line in self._lines:
-            tokens = pacer.tokens(line.request.route, line.request.body)
-            await pacer.acquire_line(tokens)
+            shape = pacer.line_shape(line.request.route, line.request.body)
+            await pacer.acquire_line(shape)
             task = asyncio.create_task(self._line(line), name="batch-line")
             self._in_flight[task] = line
             self._sent += 1
             # Freed however the task ends, even cancelled before it began.
-            task.add_done_callback(functools.partial(_release, pacer, tokens))
+            task.add_done_callback(functools.partial(_release, pacer, shape))
             task.add_done_callback(self._ended)
 
     async def _line(self, line: fmt.BatchLine) -> None:

@@ -31,8 +31,8 @@ from worker.config.capacity import Capacity
 from worker.jobs.answers import PRIOR_ANSWER_TOKENS
 from worker.jobs.vllm_metrics import Load
 
-__all__ = ["KV_FULL", "Held", "Limit", "decide", "first_job_tokens", "kv_budget",
-           "request_tokens"]
+__all__ = ["KV_FULL", "Held", "Limit", "Shape", "decide", "first_job_tokens", "kv_budget",
+           "request_shape", "request_tokens"]
 
 #: The KV cache's use (vLLM's ``kv_cache_usage_perc``, a fraction) at which the worker stops
 #: taking jobs, when its own jobs cannot explain it. vLLM admits a waiting request while its
@@ -92,36 +92,59 @@ def _whole(value: object, default: int) -> int:
         else default
 
 
-def request_tokens(route: str, body: object, context: int | None, block_size: int = 1,
-                   answer: int = PRIOR_ANSWER_TOKENS) -> int:
-    """The KV cache a request can grow to, in tokens: its prompt (estimated,
-    :data:`BYTES_PER_TOKEN`; its tools' definitions and media parts counted) and, for each of
-    its ``n`` sequences (and each prompt of a completion's list), its ``max_tokens``
-    (``max_completion_tokens``; vLLM's 16 for a completion that sets none; ``answer``, the
-    answer counted for a chat that sets none), each sequence at most the context and a whole
-    number of the cache's blocks of ``block_size`` tokens (vLLM gives a sequence whole
-    blocks)."""
+@dataclass(frozen=True)
+class Shape:
+    """What a request holds of the KV cache, before the answer counted for an open one is
+    known: its prompts' tokens (a completion's list of prompts: one each), the tokens each
+    sequence may write (``out``; None: a chat that sets no bound, as long as answers are),
+    and its ``n`` sequences per prompt."""
+
+    prompts: tuple[int, ...] = ()
+    out: int | None = 0
+    n: int = 1
+
+    def tokens(self, context: int | None, block_size: int = 1,
+               answer: int = PRIOR_ANSWER_TOKENS) -> int:
+        """Its KV tokens with ``answer`` for an open answer: each sequence at most the
+        context and a whole number of the cache's blocks of ``block_size`` tokens (vLLM gives
+        a sequence whole blocks)."""
+        out = answer if self.out is None else self.out
+        total = 0
+        for prompt in self.prompts:
+            sequence = prompt + out if context is None else min(prompt + out, context)
+            each = -(-sequence // block_size) * block_size
+            total += each + (self.n - 1) * max(0, each - prompt)
+        return total
+
+
+def request_shape(route: str, body: object) -> Shape:
+    """A request's :class:`Shape`: its prompt (estimated, :data:`BYTES_PER_TOKEN`; its tools'
+    definitions and media parts counted) and its ``max_tokens`` (``max_completion_tokens``;
+    vLLM's 16 for a completion that sets none; open for a chat that sets none)."""
     if not isinstance(body, Mapping):
-        return 0
+        return Shape()
+    default_out: int | None
+    prompts: tuple[int, ...]
     if isinstance(body.get("messages"), list):
-        prompts = [sum(TEMPLATE_TOKENS + _text_tokens(message.get("content"))
+        prompts = (sum(TEMPLATE_TOKENS + _text_tokens(message.get("content"))
                        for message in body["messages"] if isinstance(message, Mapping))
-                   + _tools_tokens(body.get("tools"))]
-        default_out = answer
+                   + _tools_tokens(body.get("tools")),)
+        default_out = None
     elif "prompt" in body:
-        prompts = [_text_tokens(prompt) for prompt in _prompts(body.get("prompt"))]
+        prompts = tuple(_text_tokens(prompt) for prompt in _prompts(body.get("prompt")))
         default_out = COMPLETION_MAX_TOKENS
     else:
-        return _text_tokens(body.get("input"))  # embeddings, pooling: the prompt alone
+        return Shape((_text_tokens(body.get("input")),))  # embeddings, pooling: the prompt
     out = next((_whole(body[key], 0) for key in ("max_tokens", "max_completion_tokens")
                 if _whole(body.get(key), -1) >= 0), default_out)
-    sequences = max(1, _whole(body.get("n"), 1))
-    total = 0
-    for prompt in prompts:
-        sequence = prompt + out if context is None else min(prompt + out, context)
-        each = -(-sequence // block_size) * block_size
-        total += each + (sequences - 1) * max(0, each - prompt)
-    return total
+    return Shape(prompts, out, max(1, _whole(body.get("n"), 1)))
+
+
+def request_tokens(route: str, body: object, context: int | None, block_size: int = 1,
+                   answer: int = PRIOR_ANSWER_TOKENS) -> int:
+    """The KV cache a request can grow to, in tokens (:func:`request_shape`, with ``answer``
+    for a chat that sets no bound)."""
+    return request_shape(route, body).tokens(context, block_size, answer)
 
 
 def _tools_tokens(tools: object) -> int:

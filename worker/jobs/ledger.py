@@ -1,9 +1,12 @@
 """The worker's ledger of the requests it has in vLLM or on their way there.
 
 Every ordinary job is a request: counted from its take (its size unknown until its request is
-read) to its end. A batch job is none itself: each of its lines in flight is one. The ledger
-answers :meth:`Ledger.held`, what :func:`worker.jobs.capacity.decide` weighs; it decides
-nothing (:mod:`worker.jobs.pacer` does).
+read) to its end. A batch job is none itself: each of its lines in flight is one. Each
+request is kept as its :class:`worker.jobs.capacity.Shape` and sized when asked, with the
+answer counted for an open one then: what vLLM's answers taught since counts for the requests
+already in vLLM too. The ledger answers :meth:`Ledger.held`, what
+:func:`worker.jobs.capacity.decide` weighs; it decides nothing (:mod:`worker.jobs.pacer`
+does).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from worker.jobs.capacity import Held
+from worker.jobs.capacity import Held, Shape
 
 __all__ = ["TYPICAL_OF", "Ledger"]
 
@@ -21,12 +24,8 @@ TYPICAL_OF = 64
 
 @dataclass
 class _Job:
-    tokens: int | None = None  # None until its request is read
+    shape: Shape | None = None  # None until its request is read
     batch: bool = False
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size) * block_size
 
 
 class Ledger:
@@ -34,39 +33,38 @@ class Ledger:
 
     def __init__(self) -> None:
         self._jobs: dict[object, _Job] = {}
-        self._lines = 0
-        self._line_tokens = 0
-        self._sizes: collections.deque[int] = collections.deque(maxlen=TYPICAL_OF)
+        self._lines: collections.Counter[Shape] = collections.Counter()
+        self._recent: collections.deque[Shape] = collections.deque(maxlen=TYPICAL_OF)
 
     def taken(self, job_id: object) -> None:
         self._jobs[job_id] = _Job()
 
-    def sized(self, job_id: object, tokens: int) -> bool:
-        """The job's request is read: ``tokens`` of KV cache. False for a job not taken."""
+    def sized(self, job_id: object, shape: Shape) -> bool:
+        """The job's request is read: its ``shape``. False for a job not taken."""
         if (job := self._jobs.get(job_id)) is None:
             return False
-        job.tokens = tokens
-        self._sizes.append(tokens)
+        job.shape = shape
+        self._recent.append(shape)
         return True
 
     def batch(self, job_id: object) -> bool:
         """The job is a batch job: its lines are counted, not itself."""
         if (job := self._jobs.get(job_id)) is None:
             return False
-        job.batch, job.tokens = True, 0
+        job.batch, job.shape = True, Shape()
         return True
 
     def ended(self, job_id: object) -> bool:
         return self._jobs.pop(job_id, None) is not None
 
-    def line_sent(self, tokens: int) -> None:
-        self._lines += 1
-        self._line_tokens += tokens
-        self._sizes.append(tokens)
+    def line_sent(self, shape: Shape) -> None:
+        self._lines[shape] += 1
+        self._recent.append(shape)
 
-    def line_ended(self, tokens: int) -> None:
-        self._lines -= 1
-        self._line_tokens -= tokens
+    def line_ended(self, shape: Shape) -> None:
+        self._lines[shape] -= 1
+        if self._lines[shape] <= 0:
+            del self._lines[shape]
 
     @property
     def jobs(self) -> int:
@@ -75,29 +73,35 @@ class Ledger:
 
     @property
     def lines(self) -> int:
-        return self._lines
+        return self._lines.total()
 
     @property
     def unsent(self) -> bool:
         """A job taken is still on its way to vLLM (its request not read yet)."""
-        return any(job.tokens is None for job in self._jobs.values())
+        return any(job.shape is None for job in self._jobs.values())
 
     @property
     def empty(self) -> bool:
         return not self._jobs and not self._lines
 
-    def held(self, block_size: int = 1) -> Held:
-        """The requests held, each in whole blocks of ``block_size`` tokens (the cache's block
-        may be read after a request was sized: rounded when counted, not when read)."""
+    def held(self, context: int | None, block_size: int, answer: int) -> Held:
+        """The requests held, each sized now (:meth:`Shape.tokens` with this ``context``,
+        cache block and ``answer`` for an open one); the typical one the recent ones' mean."""
         jobs = tokens = unsized = 0
         for job in self._jobs.values():
             if job.batch:
                 continue
             jobs += 1
-            if job.tokens is None:
+            if job.shape is None:
                 unsized += 1
             else:
-                tokens += _blocks(job.tokens, block_size)
-        typical = _blocks(round(sum(self._sizes) / len(self._sizes)), block_size) \
-            if self._sizes else None
-        return Held(jobs + self._lines, tokens + self._line_tokens, unsized, typical)
+                tokens += job.shape.tokens(context, block_size, answer)
+        for shape, count in self._lines.items():
+            jobs += count
+            tokens += count * shape.tokens(context, block_size, answer)
+        typical = None
+        if self._recent:
+            mean = sum(shape.tokens(context, 1, answer) for shape in self._recent) \
+                / len(self._recent)
+            typical = -(-round(mean) // block_size) * block_size
+        return Held(jobs, tokens, unsized, typical)

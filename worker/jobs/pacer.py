@@ -35,10 +35,11 @@ from worker.jobs.capacity import (
     REASONS,
     Held,
     Limit,
+    Shape,
     decide,
     first_job_tokens,
     kv_budget,
-    request_tokens,
+    request_shape,
 )
 from worker.jobs.figures import INTERVAL, Metrics, load_words, read_figures
 from worker.jobs.ledger import Ledger
@@ -107,15 +108,15 @@ class Pacer:
         self._ledger.taken(job_id)
 
     def sending(self, job_id: object, route: str, body: object) -> None:
-        """The job's request goes to vLLM now: its size (:func:`request_tokens`) is known."""
+        """The job's request goes to vLLM now: its size (:func:`request_shape`) is known."""
         self._sent += 1
-        if self._ledger.sized(job_id, self.tokens(route, body)):
+        if self._ledger.sized(job_id, request_shape(route, body)):
             self._changed()
 
     def tokens(self, route: str, body: object) -> int:
-        """The KV tokens a request is counted at, in whole blocks of vLLM's cache."""
-        return request_tokens(route, body, self.capacity.context, self.capacity.block_size,
-                              self.answers.estimate().tokens)
+        """The KV tokens a request is counted at now, in whole blocks of vLLM's cache."""
+        return request_shape(route, body).tokens(
+            self.capacity.context, self.capacity.block_size, self.answers.estimate().tokens)
 
     def batch(self, job_id: object) -> None:
         """The job is a batch job: its lines are counted, not itself."""
@@ -127,8 +128,9 @@ class Pacer:
             self._changed()
 
     def held(self) -> Held:
-        """The requests held, a batch's lines each."""
-        return self._ledger.held(self.capacity.block_size)
+        """The requests held, a batch's lines each, sized with the answer counted now."""
+        return self._ledger.held(self.capacity.context, self.capacity.block_size,
+                                 self.answers.estimate().tokens)
 
     @property
     def idle(self) -> bool:
@@ -153,7 +155,7 @@ class Pacer:
     def _per_job(self, held: Held) -> int:
         return held.typical or first_job_tokens(self.capacity.context) or 0
 
-    def _line_fits(self, tokens: int) -> bool:
+    def _line_fits(self, shape: Shape) -> bool:
         if self._ledger.unsent:
             return False  # a job taken goes first
         if self._line_limit is not None and self._ledger.lines >= self._line_limit:
@@ -168,19 +170,25 @@ class Pacer:
         if self.capacity.kv_tokens is None:
             return True
         per_job = self._per_job(held)
+        tokens = shape.tokens(self.capacity.context, self.capacity.block_size,
+                              self.answers.estimate().tokens)
         return (held.tokens + (held.unsized + RESERVE) * per_job + tokens
                 <= kv_budget(self.capacity))
 
-    async def acquire_line(self, tokens: int) -> None:
-        """Wait for room for a batch's line of ``tokens``, then count it as in vLLM."""
-        while not self._line_fits(tokens):
+    def line_shape(self, route: str, body: object) -> Shape:
+        """A batch line's request, as the gate counts it."""
+        return request_shape(route, body)
+
+    async def acquire_line(self, shape: Shape) -> None:
+        """Wait for room for a batch's line of this ``shape``, then count it as in vLLM."""
+        while not self._line_fits(shape):
             await self.changed()
-        self._ledger.line_sent(tokens)
+        self._ledger.line_sent(shape)
         self._sent += 1
 
-    def release_line(self, tokens: int) -> None:
+    def release_line(self, shape: Shape) -> None:
         """The line has ended (however: the release is a task's done-callback)."""
-        self._ledger.line_ended(tokens)
+        self._ledger.line_ended(shape)
         self._changed()
 
     # -- vLLM's figures ----------------------------------------------------------------------
