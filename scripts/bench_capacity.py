@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
 """How many jobs a worker takes, measured: ``MAX_CONCURRENCY`` auto against fixed numbers.
 
-    .venv/bin/python scripts/bench_capacity.py [--part saturation small-kv fleet]
-        [--jobs 400] [--fixed 30 64 128 256] [--json FIGURES.json]
+    .venv/bin/python scripts/bench_capacity.py [--part open-chat fitted saturation small-kv
+        fleet lb] [--jobs 400] [--rounds 3] [--fixed 30 64 128 256] [--json FIGURES.json]
 
 Each part runs what production runs: ``python -m worker`` in serverless mode, the real runpod
 SDK loop taking jobs from the fake job API (tests/fake_job_api.py, in this process), over the
 real CPU vLLM serving the tiny model with vLLM's default multiprocessing engine (the engine
 core in a process of its own, as the endpoints run it). A fresh worker (and vLLM) per setting.
 
-* **saturation**: ``--jobs`` jobs of 96 tokens (``ignore_eos``, not streamed), all queued at
-  once (after ``--warmup`` jobs, not measured: vLLM's first big batches are slower), on a
-  vLLM with ``MAX_NUM_SEQS=256`` and a KV cache for 256 such sequences. Output
-  tokens per second from the first job taken to the last done, for ``auto`` and each
-  ``--fixed`` number; then the same requests sent straight to vLLM (the last worker's) by a
-  client holding each of those numbers in flight; the median of ``--rounds`` rounds each.
-  Goal (issue 45): ``auto`` at least 0.95 of the best fixed number through the queue; its
-  ratio to the best direct figure is printed too.
+The first three parts compare ``auto`` with each ``--fixed`` number through the queue, then
+send the same requests straight to the last worker's vLLM by a client holding each of those
+numbers in flight: output tokens per second (from the answers' usage) from the first job taken
+to the last done, the median of ``--rounds`` rounds of ``--jobs`` jobs queued at once (after
+``--warmup`` jobs, not measured: vLLM's first big batches are slower); for every row vLLM's
+waiting requests at p90 while jobs remain in the platform's queue and its preemptions
+(its ``/metrics``, sampled every 0.2 s). Goal (issue 53): ``auto`` at least 0.95 of the best
+fixed number through the queue in each.
+
+* **open-chat**: chat jobs exactly as the OpenAI SDK sends them (``openai_route`` jobs of the
+  model and the messages, no ``max_tokens``; prompts that vary) to a tiny model whose
+  ``generation_config.json`` lists ``--stop-ids`` end-of-sequence ids, so that its answers
+  end on their own after some tens of tokens; the context its config says (2,048 tokens), a
+  KV cache for 16 of them, ``MAX_NUM_SEQS=256``.
+* **fitted**: the same jobs, ``MAX_MODEL_LEN`` unset and a config that claims 1,048,576
+  tokens: the worker fits the context to the KV cache, so one job's worst case is all of it.
+* **saturation**: today's jobs, which say how long their answers are: 96 tokens
+  (``max_tokens``, ``ignore_eos``), on a KV cache for 256 such sequences.
 * **small-kv**: a KV cache that holds about 4 requests of the whole context (512 tokens), 48
   jobs that write 400 tokens each; vLLM's ``/metrics`` sampled every 0.2 s. Goal: while jobs
   remain in the platform's queue, vLLM's waiting requests at most 1 at p90, and no request
