@@ -62,7 +62,10 @@ one JSON answer with ``usage``), and ``GET /metrics``: vLLM's Prometheus text fo
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (the fraction of the KV cache's tokens in use), ``vllm:num_preemptions_total``,
 ``vllm:request_generation_tokens`` (the histogram of the answers' lengths, vLLM's 1-2-5
-buckets up to the context) and ``vllm:cache_config_info`` (its labels those of vLLM 0.32's
+buckets up to the context), ``vllm:inter_token_latency_seconds`` and
+``vllm:time_to_first_token_seconds`` (each token's time since the request's last, and a
+first token's since the request's arrival, on the engine's clock, vLLM's buckets) and
+``vllm:cache_config_info`` (its labels those of vLLM 0.32's
 CacheConfig), as prometheus_client writes them (:func:`metrics_text`); and one figure of the
 stand-in's own, ``stand_in:waiting_after_schedule_max``: the most requests a step left
 waiting (not admitted at the step after their arrival), for tests that assert vLLM queued
@@ -77,7 +80,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -105,6 +110,12 @@ BLOCK_SIZE = 16
 KV_LINE_SOURCE = "kv_cache_utils.py:2327"
 #: Tokens a chat template adds to a chat's prompt, in this model.
 CHAT_TEMPLATE_TOKENS = 8
+#: vLLM's buckets of its latency histograms (vllm/v1/metrics/buckets.py).
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+                               2560.0)
 #: prometheus_client's text format (what vLLM's /metrics answers with).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -149,6 +160,8 @@ class EngineRequest:
     prompt_tokens: int
     max_tokens: int
     stops: bool = False  # it ends on its own at max_tokens (finish reason "stop")
+    arrived: float = 0.0  # the engine's clock when it was added
+    last_token: float = 0.0
     generated: int = 0
     finished: bool = False
     aborted: bool = False
@@ -161,6 +174,14 @@ class EngineRequest:
         return self.prompt_tokens + self.generated
 
 
+def _now() -> float:
+    """The engine's clock: its event loop's (a simulation's may run on a virtual one)."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # stepped by hand, outside a loop
+        return time.monotonic()
+
+
 class Engine:
     """The scheduler and its loop of steps (see the module's docstring)."""
 
@@ -170,7 +191,9 @@ class Engine:
         self.running: list[EngineRequest] = []  # in the order of their (last) admission
         self.preemptions = 0
         self.steps = 0
-        self.answers: list[int] = []  # each finished request's tokens
+        self.answers = Observed(bucket_bounds(config.max_model_len))
+        self.inter_token = Observed(INTER_TOKEN_LATENCY_BUCKETS)
+        self.first_token = Observed(TIME_TO_FIRST_TOKEN_BUCKETS)
         self.waiting_after_schedule_max = 0
         self._arrived = 0  # requests added since the last schedule
         self._random = random.Random(config.seed)
@@ -194,6 +217,7 @@ class Engine:
         return self.kv_used / self.config.kv_tokens
 
     def add(self, request: EngineRequest) -> None:
+        request.arrived = _now()
         self.waiting.append(request)
         self._arrived += 1
         self._wake.set()
@@ -237,12 +261,18 @@ class Engine:
     def advance(self) -> None:
         """The end of a step: one token for every running sequence; those done finish."""
         self.steps += 1
+        now = _now()
         for request in list(self.running):
+            if request.generated == 0:
+                self.first_token.observe(now - request.arrived)
+            else:
+                self.inter_token.observe(now - request.last_token)
+            request.last_token = now
             request.tokens.put_nowait(request.generated)
             request.generated += 1
             if request.generated >= request.max_tokens:
                 self.running.remove(request)
-                self.answers.append(request.generated)
+                self.answers.observe(request.generated)
                 request.finished = True
                 request.tokens.put_nowait(None)
 
@@ -334,9 +364,12 @@ def metrics_text(engine: Engine, model_name: str, started: float) -> str:
               "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
               "# TYPE vllm:cache_config_info gauge",
               f"vllm:cache_config_info{{{_labels(cache_config_labels(engine.config))}}} 1.0"]
-    lines += histogram_lines("vllm:request_generation_tokens",
-                             "Number of generation tokens processed.", labels,
-                             bucket_bounds(engine.config.max_model_len), engine.answers)
+    lines += engine.answers.lines("vllm:request_generation_tokens",
+                                  "Number of generation tokens processed.", labels)
+    lines += engine.inter_token.lines("vllm:inter_token_latency_seconds",
+                                      "Histogram of inter-token latency in seconds.", labels)
+    lines += engine.first_token.lines("vllm:time_to_first_token_seconds",
+                                      "Histogram of time to first token in seconds.", labels)
     lines += ["# HELP stand_in:waiting_after_schedule_max The most requests a step left "
               "waiting.", "# TYPE stand_in:waiting_after_schedule_max gauge",
               f"stand_in:waiting_after_schedule_max {_float(engine.waiting_after_schedule_max)}"]
@@ -356,18 +389,31 @@ def bucket_bounds(max_value: int) -> list[float]:
         exponent += 1
 
 
-def histogram_lines(name: str, help_text: str, labels: str, bounds: Sequence[float],
-                    values: Sequence[float]) -> list[str]:
-    """A histogram as prometheus_client writes it: cumulative buckets (``le`` last among the
-    labels), ``+Inf``, the count and the sum."""
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for bound in [*bounds, math.inf]:
-        count = sum(1 for value in values if value <= bound)
-        le = "+Inf" if math.isinf(bound) else repr(bound)
-        lines.append(f'{name}_bucket{{{labels},le="{le}"}} {_float(count)}')
-    lines += [f"{name}_count{{{labels}}} {_float(len(values))}",
-              f"{name}_sum{{{labels}}} {_float(sum(values))}"]
-    return lines
+class Observed:
+    """A histogram's observations, kept as prometheus_client keeps them: a count per bucket
+    (``bounds``, then ``+Inf``), their number and their sum."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def lines(self, name: str, help_text: str, labels: str) -> list[str]:
+        """As prometheus_client writes it: cumulative buckets (``le`` last among the labels),
+        the count and the sum."""
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for bound, cumulative in zip(self.bounds, itertools.accumulate(self.counts),
+                                     strict=True):
+            le = "+Inf" if math.isinf(bound) else repr(float(bound))
+            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {_float(cumulative)}')
+        return [*lines, f"{name}_count{{{labels}}} {_float(self.count)}",
+                f"{name}_sum{{{labels}}} {_float(self.sum)}"]
 
 
 class BadRequest(Exception):

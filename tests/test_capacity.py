@@ -116,6 +116,12 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
 vllm:num_preemptions_total{engine="0",model_name="m"} 4.0
 vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e+09
 vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="3456"} 1.0
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 5.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.025",model_name="m"} 9.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 1.0
 # TYPE vllm:request_generation_tokens histogram
 vllm:request_generation_tokens_sum{engine="0",model_name="m"} 700.0
 vllm:request_generation_tokens_bucket{engine="0",le="1.0",model_name="m"} 0.0
@@ -133,7 +139,9 @@ vllm:request_generation_tokens_bucket{engine="1",le="+Inf",model_name="m"} 10.0
 def test_the_load_is_read_from_vllms_metrics() -> None:
     assert parse_metrics(METRICS) == Load(
         running=5, waiting=1, kv_usage=0.5, preemptions=4, kv_tokens=3456, block_size=16,
-        answers=Histogram((1.0, 10.0, 100.0, math.inf), (0.0, 2.0, 19.0, 20.0)))
+        answers=Histogram((1.0, 10.0, 100.0, math.inf), (0.0, 2.0, 19.0, 20.0)),
+        itl=Histogram((0.01, 0.025, math.inf), (5.0, 9.0, 10.0)),
+        ttft=Histogram((0.1, math.inf), (1.0, 1.0)))
     assert parse_metrics("# nothing of vLLM\nprocess_cpu_seconds_total 3.0\n") is None
     assert parse_metrics("") is None
 

@@ -84,8 +84,9 @@ def test_it_prints_vllm_s_start_lines_and_metrics_then_stops_on_sigterm(tmp_path
         assert samples == {
             "vllm:num_requests_running": "0.0", "vllm:num_requests_waiting": "0.0",
             "vllm:kv_cache_usage_perc": "0.0", "vllm:num_preemptions_total": "0.0",
-            "vllm:request_generation_tokens_count": "0.0",
-            "vllm:request_generation_tokens_sum": "0.0"}
+            **{f"vllm:{name}_{part}": "0.0" for part in ("count", "sum") for name in (
+                "request_generation_tokens", "inter_token_latency_seconds",
+                "time_to_first_token_seconds")}}
         load = parse_metrics(text)
         assert load is not None and load.missing == frozenset()  # every name the worker reads
         assert load.answers is not None and load.answers.bounds[-4:] == (

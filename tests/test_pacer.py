@@ -213,8 +213,9 @@ async def test_a_metrics_read_that_fails_is_said_once_and_forgets_the_last_figur
     assert rooms == [3, 0, 3, 3, 3]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "vLLM's /metrics lacks vllm:cache_config_info, vllm:kv_cache_usage_perc, "
-        "vllm:num_preemptions_total, vllm:request_generation_tokens: the jobs taken go "
+        "vLLM's /metrics lacks vllm:cache_config_info, vllm:inter_token_latency_seconds, "
+        "vllm:kv_cache_usage_perc, vllm:num_preemptions_total, "
+        "vllm:request_generation_tokens, vllm:time_to_first_token_seconds: the jobs taken go "
         "without those figures",
         "vLLM's /metrics could not be read (OSError: refused): the jobs taken follow its "
         "start-up figures until it answers: vLLM batches 8 sequences (MAX_NUM_SEQS); its KV "

@@ -36,6 +36,7 @@ from worker.jobs.batch_files import BatchFiles
 from worker.jobs.batch_format import concurrency
 from worker.jobs.handler import BackendFailureProbe, Proxy
 from worker.jobs.jobloop import Handler, Job, JobLoop, run_fitness_checks, start_heartbeat
+from worker.jobs.latency import LatencyBound
 from worker.jobs.loopwatch import watching
 from worker.jobs.pacer import Pacer
 from worker.jobs.stats import StatsOptions
@@ -105,7 +106,9 @@ class QueueWorker:
     def _pacer_of(self, batches: BatchOptions) -> Pacer:
         """How many jobs the worker takes: MAX_CONCURRENCY, or what its vLLM can run."""
         self._pacer = Pacer(self.settings.max_concurrency, self._capacity,
-                            line_limit=batches.concurrency)
+                            line_limit=batches.concurrency,
+                            latency=LatencyBound(self.settings.max_inter_token_latency,
+                                                 self.settings.max_time_to_first_token))
         return self._pacer
 
     # -- the whole run -------------------------------------------------------------------

@@ -196,6 +196,14 @@ SETTINGS: tuple[Setting, ...] = (
             "for, by vLLM's running batch (MAX_NUM_SEQS), its KV cache and its queue "
             "([how](#how-many-jobs-a-worker-takes)); a number: that many, whatever vLLM says.",
             shown_default="auto"),
+    Setting("MAX_INTER_TOKEN_LATENCY", "max_inter_token_latency", None, _positive_float,
+            "Seconds between two tokens of an answer that this worker keeps within: while 90 % "
+            "of vLLM's recent tokens come slower, it takes no more jobs, which then wait in "
+            "the endpoint's queue for another worker ([when to set it](scaling.md#a-latency-bound)).",
+            shown_default="unset: no bound"),
+    Setting("MAX_TIME_TO_FIRST_TOKEN", "max_time_to_first_token", None, _positive_float,
+            "Seconds from a request's arrival in vLLM to its first token that this worker keeps "
+            "within, as MAX_INTER_TOKEN_LATENCY does.", shown_default="unset: no bound"),
     Setting("BATCH_CONCURRENCY", "batch_concurrency", None, _positive_int,
             "Lines of batch jobs (docs/batch.md) sent to vLLM at once, all batches of the worker "
             "together; each batch counts as one job of MAX_CONCURRENCY, and its lines fill "
@@ -339,6 +347,8 @@ class Settings:
     vllm_base_url: str = ""
     max_concurrency: int | None = None
     """None: ``auto`` (:mod:`worker.jobs.pacer`)."""
+    max_inter_token_latency: float | None = None
+    max_time_to_first_token: float | None = None
     batch_concurrency: int | None = None
     default_batch_size: int = 50
     default_min_batch_size: int = 1

@@ -193,6 +193,7 @@ REASONS: Mapping[str, str] = {
     "vllm_queue": "requests wait in vLLM's own queue",
     "kv_full": f"vLLM's KV cache is over {KV_FULL:.0%} used",
     "preempted": "vLLM preempted requests",
+    "latency": "vLLM's latency is over the bound set",
 }
 """Each reason in words: what bounds the limit, or why no job is taken now."""
 
@@ -212,6 +213,7 @@ def decide(
     arrived: int = 0,
     accounted: float = 0.0,
     preempted: bool = False,
+    slow: bool = False,
 ) -> Limit:
     """The most jobs to hold now.
 
@@ -223,7 +225,8 @@ def decide(
     its KV cache is :data:`KV_FULL` and fuller than the jobs held then could make it
     (``accounted``: their share of the cache, at most, when vLLM counted: the cache is full
     of what the worker did not count, bigger prompts than estimated or another client's), or
-    it ``preempted`` requests since. Never below one job.
+    it ``preempted`` requests since, or its latency is over a bound set (``slow``:
+    :mod:`worker.jobs.latency`). Never below one job.
     """
     if setting is not None:
         return Limit(setting, "setting")
@@ -237,7 +240,7 @@ def decide(
     if load is not None and held.jobs < limit:
         for stop, why in ((load.waiting > arrived, "vllm_queue"),
                           (load.kv_usage >= max(KV_FULL, accounted), "kv_full"),
-                          (preempted, "preempted")):
+                          (preempted, "preempted"), (slow, "latency")):
             if stop:
                 limit, reason = held.jobs, why
                 break

@@ -42,6 +42,7 @@ from worker.jobs.capacity import (
     request_shape,
 )
 from worker.jobs.figures import INTERVAL, Metrics, load_words, read_figures
+from worker.jobs.latency import LatencyBound, Recent, over_bound
 from worker.jobs.ledger import Ledger
 from worker.jobs.vllm_metrics import Load
 
@@ -65,9 +66,14 @@ class Pacer:
         capacity: Capacity | None = None,
         *,
         line_limit: int | None = None,
+        latency: LatencyBound | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.setting = setting
+        self.latency = latency or LatencyBound()
+        self._inter_token = Recent()
+        self._first_token = Recent()
+        self._slow: str | None = None  # the bound passed, in words
         self.capacity = capacity or Capacity(setting or 1, "MAX_CONCURRENCY")
         self.answers = AnswerLengths()
         self._ledger = Ledger()
@@ -140,13 +146,16 @@ class Pacer:
     def limit(self, held: Held) -> Limit:
         return decide(self.setting, self.capacity, held, self._load,
                       arrived=self._arrived + self._sent, accounted=self._accounted,
-                      preempted=self._preempted)
+                      preempted=self._preempted, slow=self._slow is not None)
 
     def room(self) -> int:
         """Jobs to ask the job API for now: a fixed ``MAX_CONCURRENCY`` less the jobs taken
         (a batch job as one), or, with ``auto``, the limit less the requests held."""
         if self.setting is not None:
-            return max(0, self.setting - self._ledger.jobs)
+            jobs = self._ledger.jobs
+            if self._slow is not None:  # over the latency bound: none more, one at least
+                return 0 if jobs else 1
+            return max(0, self.setting - jobs)
         held = self.held()
         limit = self.limit(held)
         self._log(limit, held.jobs)
@@ -209,6 +218,11 @@ class Pacer:
         self._preempted = previous is not None and load.preemptions > previous.preemptions
         self._load = load
         self.answers.observe(load.answers, self._preempted)
+        if self.latency:
+            self._inter_token.observe(load.itl)
+            self._first_token.observe(load.ttft)
+            self._slow = over_bound(self.latency, self._inter_token.recent(),
+                                    self._first_token.recent())
         capacity = self.capacity
         if capacity.kv_tokens is None and load.kv_tokens is not None:
             capacity = dataclasses.replace(capacity, kv_tokens=load.kv_tokens)
@@ -219,7 +233,7 @@ class Pacer:
 
     def forget(self) -> None:
         """vLLM's figures could not be read: the start-up figures decide until they are."""
-        self._load, self._preempted = None, False
+        self._load, self._preempted, self._slow = None, False, None
         self._changed()
 
     def summary(self) -> str:
@@ -227,7 +241,7 @@ class Pacer:
 
     async def run(self, metrics: Metrics, interval: float = INTERVAL) -> None:
         """Read vLLM's /metrics while anything is held (``auto`` only)."""
-        if self.setting is None:
+        if self.setting is None or self.latency:
             await read_figures(self, metrics, interval)
 
     # -- the log -----------------------------------------------------------------------------
@@ -258,5 +272,6 @@ class Pacer:
         figures = "" if load is None else (
             f" ({load_words(load)}; an open answer counted as {self.estimate().words()})")
         taking = "no more jobs for now" if limit.jobs <= held else f"up to {limit.jobs:,} jobs"
-        logger.info("taking %s (%d in flight): %s%s", taking, held, REASONS[limit.reason],
-                    figures)
+        reason = self._slow if limit.reason == "latency" and self._slow else \
+            REASONS[limit.reason]
+        logger.info("taking %s (%d in flight): %s%s", taking, held, reason, figures)

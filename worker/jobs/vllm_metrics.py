@@ -10,6 +10,9 @@ tests/test_e2e_config.py reads the real ``/metrics`` of both and fails on a miss
 * ``vllm:request_generation_tokens``: a histogram of the answers' lengths in tokens, one
   observation per finished request (vllm/v1/metrics/loggers.py; buckets of 1, 2, 5, 10, 20,
   50, ... up to the context);
+* ``vllm:inter_token_latency_seconds`` and ``vllm:time_to_first_token_seconds``: histograms
+  of the seconds between two tokens of a request, and from a request's arrival to its first
+  token (read for the latency bound, :mod:`worker.jobs.latency`);
 * ``vllm:cache_config_info``: the KV cache's size in tokens and its block size, as labels.
 
 With several engines (``--data-parallel-size``) each figure comes once per engine, labelled
@@ -34,9 +37,13 @@ _GAUGES: Mapping[str, str] = {
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:num_preemptions_total": "preemptions",
 }
-_ANSWERS = "vllm:request_generation_tokens"
+_HISTOGRAMS: Mapping[str, str] = {
+    "vllm:request_generation_tokens": "answers",
+    "vllm:inter_token_latency_seconds": "itl",
+    "vllm:time_to_first_token_seconds": "ttft",
+}
 _CACHE = "vllm:cache_config_info"
-NAMES: tuple[str, ...] = (*_GAUGES, _ANSWERS, _CACHE)
+NAMES: tuple[str, ...] = (*_GAUGES, *_HISTOGRAMS, _CACHE)
 """Every name the pacer reads: a ``/metrics`` without one of them is said (once)."""
 
 
@@ -83,9 +90,10 @@ class Histogram:
 @dataclass(frozen=True)
 class Load:
     """vLLM's figures of now: requests running and waiting, the KV cache's use (0 to 1), the
-    preemptions since start, the answers' lengths (``answers``), and the KV cache's size and
-    block in tokens when ``cache_config_info`` says them; ``missing``: the names of
-    :data:`NAMES` the text lacked."""
+    preemptions since start, the histograms of the answers' lengths (``answers``), of the
+    inter-token latency (``itl``) and of the time to first token (``ttft``), and the KV
+    cache's size and block in tokens when ``cache_config_info`` says them; ``missing``: the
+    names of :data:`NAMES` the text lacked."""
 
     running: float = 0.0
     waiting: float = 0.0
@@ -94,6 +102,8 @@ class Load:
     kv_tokens: int | None = None
     block_size: int | None = None
     answers: Histogram | None = None
+    itl: Histogram | None = None
+    ttft: Histogram | None = None
     missing: frozenset[str] = field(default=frozenset())
 
 
@@ -110,7 +120,7 @@ def parse_metrics(text: str) -> Load | None:
     off, a server that is not vLLM)."""
     values: dict[str, float] = {}
     kv_tokens = block_size = None
-    buckets: dict[float, float] = {}
+    buckets: dict[str, dict[float, float]] = {field: {} for field in _HISTOGRAMS.values()}
     seen: set[str] = set()
     for line in text.splitlines():
         if not line.startswith("vllm:") or (match := _SAMPLE.match(line)) is None:
@@ -128,11 +138,13 @@ def parse_metrics(text: str) -> Load | None:
         value = _number(match["value"])
         if value is None:
             continue
-        if name == _ANSWERS + "_bucket":
-            seen.add(_ANSWERS)
+        histogram = _HISTOGRAMS.get(name.removesuffix("_bucket"))
+        if histogram is not None and name.endswith("_bucket"):
+            seen.add(name.removesuffix("_bucket"))
             bound = _number(dict(_LABEL.findall(labels)).get("le", ""))
             if bound is not None:
-                buckets[bound] = buckets.get(bound, 0.0) + value
+                counts = buckets[histogram]
+                counts[bound] = counts.get(bound, 0.0) + value
             continue
         field_name = _GAUGES.get(name)
         if field_name is None or not math.isfinite(value):
@@ -142,7 +154,9 @@ def parse_metrics(text: str) -> Load | None:
             if field_name == "kv_usage" else values.get(field_name, 0.0) + value
     if not seen:
         return None
-    bounds = tuple(sorted(buckets))
-    answers = Histogram(bounds, tuple(buckets[b] for b in bounds)) if buckets else None
-    return Load(kv_tokens=kv_tokens, block_size=block_size, answers=answers,
+    histograms = {field: Histogram(tuple(sorted(counts)),
+                                   tuple(counts[b] for b in sorted(counts)))
+                  for field, counts in buckets.items() if counts}
+    return Load(kv_tokens=kv_tokens, block_size=block_size, answers=histograms.get("answers"),
+                itl=histograms.get("itl"), ttft=histograms.get("ttft"),
                 missing=frozenset(NAMES) - seen, **values)
