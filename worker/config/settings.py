@@ -199,7 +199,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MAX_INTER_TOKEN_LATENCY", "max_inter_token_latency", None, _positive_float,
             "Seconds between two tokens of an answer that this worker keeps within: while 90 % "
             "of vLLM's recent tokens come slower, it takes no more jobs, which then wait in "
-            "the endpoint's queue for another worker ([when to set it](scaling.md#a-latency-bound)).",
+            "the endpoint's queue for another worker "
+            "([when to set it](scaling.md#a-latency-bound)).",
             shown_default="unset: no bound"),
     Setting("MAX_TIME_TO_FIRST_TOKEN", "max_time_to_first_token", None, _positive_float,
             "Seconds from a request's arrival in vLLM to its first token that this worker keeps "

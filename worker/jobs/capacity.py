@@ -194,6 +194,7 @@ REASONS: Mapping[str, str] = {
     "kv_full": f"vLLM's KV cache is over {KV_FULL:.0%} used",
     "preempted": "vLLM preempted requests",
     "latency": "vLLM's latency is over the bound set",
+    "latency_ramp": "vLLM's latency is seen as its batch grows, under the bound set",
 }
 """Each reason in words: what bounds the limit, or why no job is taken now."""
 
@@ -214,6 +215,7 @@ def decide(
     accounted: float = 0.0,
     preempted: bool = False,
     slow: bool = False,
+    most: int | None = None,
 ) -> Limit:
     """The most jobs to hold now.
 
@@ -226,7 +228,7 @@ def decide(
     (``accounted``: their share of the cache, at most, when vLLM counted: the cache is full
     of what the worker did not count, bigger prompts than estimated or another client's), or
     it ``preempted`` requests since, or its latency is over a bound set (``slow``:
-    :mod:`worker.jobs.latency`). Never below one job.
+    :mod:`worker.jobs.latency`; ``most``: what its ramp allows now). Never below one job.
     """
     if setting is not None:
         return Limit(setting, "setting")
@@ -237,6 +239,8 @@ def decide(
         fits = held.jobs + (kv_budget(capacity) - reserved) // per_job
         if fits < limit:
             limit, reason = fits, "kv_cache"
+    if most is not None and most < limit:
+        limit, reason = most, "latency_ramp"
     if load is not None and held.jobs < limit:
         for stop, why in ((load.waiting > arrived, "vllm_queue"),
                           (load.kv_usage >= max(KV_FULL, accounted), "kv_full"),

@@ -3,9 +3,10 @@
 ``MAX_INTER_TOKEN_LATENCY`` (seconds between two tokens of an answer) and
 ``MAX_TIME_TO_FIRST_TOKEN`` (seconds from a request's arrival in vLLM to its first token):
 while the :data:`LATENCY_QUANTILE` of vLLM's recent ones passes a bound set, the worker takes
-no job; it takes again once it falls back within. The jobs it leaves wait in the platform's
-queue, where Runpod's queue-delay scaler sees them and starts another worker, instead of
-making every answer of this worker slower.
+no job; it takes again once it falls back within. Under a bound the jobs held grow step by
+step (:func:`ramp`), so that a burst is not taken whole before vLLM's latency is seen. The
+jobs it leaves wait in the platform's queue, where Runpod's queue-delay scaler sees them and
+starts another worker, instead of making every answer of this worker slower.
 
 vLLM's histograms (``vllm:inter_token_latency_seconds``, ``vllm:time_to_first_token_seconds``)
 are read as they are: their buckets' counts over the last :data:`WINDOW_READS` reads of
@@ -16,14 +17,20 @@ means. The decision (:func:`over_bound`) is pure, table-tested in tests/test_lat
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 
 from worker.jobs.vllm_metrics import Histogram
 
-__all__ = ["LATENCY_QUANTILE", "WINDOW_READS", "LatencyBound", "Recent", "over_bound"]
+__all__ = ["LATENCY_QUANTILE", "RAMP_FLOOR", "WINDOW_READS", "LatencyBound", "Recent",
+           "over_bound", "ramp"]
 
 #: The share of recent tokens (or first tokens) that must come within the bound.
 LATENCY_QUANTILE = 0.9
+#: With a bound set, the jobs held grow at most to twice what vLLM ran at its last read (and at
+#: least this many), so that its latency is seen at each size before the next: a burst taken
+#: whole would pass the bound before the first figure said so.
+RAMP_FLOOR = 8
 #: Reads of vLLM's /metrics the recent latency covers (2 s at the reads' 0.5 s): long enough
 #: for hundreds of tokens of a running batch, short enough to follow a batch that grows.
 WINDOW_READS = 4
@@ -53,6 +60,12 @@ def over_bound(bound: LatencyBound, inter_token: Histogram | None,
             return (f"vLLM's {name} is {1000 * seen:,.0f} ms at p{100 * LATENCY_QUANTILE:.0f}, "
                     f"over the {1000 * limit:,.0f} ms set")
     return None
+
+
+def ramp(running: float | None) -> int:
+    """The most jobs to hold under a bound, when vLLM last ran ``running`` requests (None:
+    not read yet): :data:`RAMP_FLOOR`, or twice that many."""
+    return max(RAMP_FLOOR, 2 * math.ceil(running or 0))
 
 
 class Recent:

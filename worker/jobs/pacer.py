@@ -42,7 +42,7 @@ from worker.jobs.capacity import (
     request_shape,
 )
 from worker.jobs.figures import INTERVAL, Metrics, load_words, read_figures
-from worker.jobs.latency import LatencyBound, Recent, over_bound
+from worker.jobs.latency import LatencyBound, Recent, over_bound, ramp
 from worker.jobs.ledger import Ledger
 from worker.jobs.vllm_metrics import Load
 
@@ -74,6 +74,7 @@ class Pacer:
         self._inter_token = Recent()
         self._first_token = Recent()
         self._slow: str | None = None  # the bound passed, in words
+        self._slow_said_at = -LOG_EVERY
         self.capacity = capacity or Capacity(setting or 1, "MAX_CONCURRENCY")
         self.answers = AnswerLengths()
         self._ledger = Ledger()
@@ -146,7 +147,14 @@ class Pacer:
     def limit(self, held: Held) -> Limit:
         return decide(self.setting, self.capacity, held, self._load,
                       arrived=self._arrived + self._sent, accounted=self._accounted,
-                      preempted=self._preempted, slow=self._slow is not None)
+                      preempted=self._preempted, slow=self._slow is not None,
+                      most=self._ramp())
+
+    def _ramp(self) -> int | None:
+        """Under a latency bound, the most jobs its ramp allows now."""
+        if not self.latency:
+            return None
+        return ramp(self._load.running if self._load is not None else None)
 
     def room(self) -> int:
         """Jobs to ask the job API for now: a fixed ``MAX_CONCURRENCY`` less the jobs taken
@@ -155,7 +163,7 @@ class Pacer:
             jobs = self._ledger.jobs
             if self._slow is not None:  # over the latency bound: none more, one at least
                 return 0 if jobs else 1
-            return max(0, self.setting - jobs)
+            return max(0, min(self.setting, self._ramp() or self.setting) - jobs)
         held = self.held()
         limit = self.limit(held)
         self._log(limit, held.jobs)
@@ -221,8 +229,14 @@ class Pacer:
         if self.latency:
             self._inter_token.observe(load.itl)
             self._first_token.observe(load.ttft)
-            self._slow = over_bound(self.latency, self._inter_token.recent(),
-                                    self._first_token.recent())
+            slow = over_bound(self.latency, self._inter_token.recent(),
+                              self._first_token.recent())
+            now = self._clock()
+            if slow is not None and self._slow is None and \
+                    now - self._slow_said_at >= LOG_EVERY:
+                self._slow_said_at = now
+                logger.info("%s: no more jobs until it is within", slow)
+            self._slow = slow
         capacity = self.capacity
         if capacity.kv_tokens is None and load.kv_tokens is not None:
             capacity = dataclasses.replace(capacity, kv_tokens=load.kv_tokens)
