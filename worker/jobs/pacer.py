@@ -4,8 +4,9 @@
 
 * the requests in vLLM or on their way (:class:`worker.jobs.ledger.Ledger`): a job from its
   take to its end, each line of a batch in flight (a batch job itself holds none);
-* vLLM's figures (:func:`worker.jobs.figures.read_figures` hands them in), and from them the
-  answer counted for a job that sets no bound (:class:`worker.jobs.answers.AnswerLengths`).
+* what vLLM said last (:class:`worker.jobs.vllm_view.VllmView`, which
+  :func:`worker.jobs.figures.read_figures` feeds): its load, the answer counted for a job
+  that sets no bound, a latency bound passed.
 
 It answers two questions:
 
@@ -18,7 +19,8 @@ It answers two questions:
   vLLM: a job taken while a batch runs reaches vLLM before the batch's next line, and the
   lines give their room up, one line ending at a time, to the jobs taken meanwhile.
 
-The limit's changes are logged, at most one line every :data:`LOG_EVERY` seconds.
+The limit's changes are logged (:class:`LimitLog`), at most one line every :data:`LOG_EVERY`
+seconds.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from worker.config.capacity import Capacity
-from worker.jobs.answers import AnswerLengths, Estimate
+from worker.jobs.answers import Estimate
 from worker.jobs.capacity import (
     REASONS,
     Held,
@@ -42,9 +44,10 @@ from worker.jobs.capacity import (
     request_shape,
 )
 from worker.jobs.figures import INTERVAL, Metrics, load_words, read_figures
-from worker.jobs.latency import LatencyBound, Recent, over_bound, ramp
+from worker.jobs.latency import LatencyBound
 from worker.jobs.ledger import Ledger
 from worker.jobs.vllm_metrics import Load
+from worker.jobs.vllm_view import VllmView
 
 __all__ = ["INTERVAL", "LOG_EVERY", "RESERVE", "Pacer"]
 
@@ -70,25 +73,17 @@ class Pacer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.setting = setting
-        self.latency = latency or LatencyBound()
-        self._inter_token = Recent()
-        self._first_token = Recent()
-        self._slow: str | None = None  # the bound passed, in words
-        self._slow_said_at = -LOG_EVERY
         self.capacity = capacity or Capacity(setting or 1, "MAX_CONCURRENCY")
-        self.answers = AnswerLengths()
+        self.vllm = VllmView(latency or LatencyBound(), clock)
         self._ledger = Ledger()
         self._line_limit = line_limit
-        self._clock = clock
-        self._load: Load | None = None
-        self._preempted = False
-        self._sent = 0  # requests sent since the latest /metrics was asked for
-        self._arrived = 0  # of which between the two latest
-        self._accounted = 0.0  # the KV cache's share the requests held could use, at the ask
+        self._log = LimitLog(clock)
         self._listeners: list[Callable[[], None]] = []
         self._change = asyncio.Event()
-        self._logged: tuple[int, str] | None = None
-        self._logged_at = -LOG_EVERY
+
+    @property
+    def latency(self) -> LatencyBound:
+        return self.vllm.latency
 
     @property
     def ceiling(self) -> int:
@@ -116,14 +111,14 @@ class Pacer:
 
     def sending(self, job_id: object, route: str, body: object) -> None:
         """The job's request goes to vLLM now: its size (:func:`request_shape`) is known."""
-        self._sent += 1
+        self.vllm.sent()
         if self._ledger.sized(job_id, request_shape(route, body)):
             self._changed()
 
     def tokens(self, route: str, body: object) -> int:
         """The KV tokens a request is counted at now, in whole blocks of vLLM's cache."""
         return request_shape(route, body).tokens(
-            self.capacity.context, self.capacity.block_size, self.answers.estimate().tokens)
+            self.capacity.context, self.capacity.block_size, self.vllm.estimate().tokens)
 
     def batch(self, job_id: object) -> None:
         """The job is a batch job: its lines are counted, not itself."""
@@ -137,7 +132,7 @@ class Pacer:
     def held(self) -> Held:
         """The requests held, a batch's lines each, sized with the answer counted now."""
         return self._ledger.held(self.capacity.context, self.capacity.block_size,
-                                 self.answers.estimate().tokens)
+                                 self.vllm.estimate().tokens)
 
     @property
     def idle(self) -> bool:
@@ -145,28 +140,22 @@ class Pacer:
 
     # -- the decisions -----------------------------------------------------------------------
     def limit(self, held: Held) -> Limit:
-        return decide(self.setting, self.capacity, held, self._load,
-                      arrived=self._arrived + self._sent, accounted=self._accounted,
-                      preempted=self._preempted, slow=self._slow is not None,
-                      most=self._ramp())
-
-    def _ramp(self) -> int | None:
-        """Under a latency bound, the most jobs its ramp allows now."""
-        if not self.latency:
-            return None
-        return ramp(self._load.running if self._load is not None else None)
+        vllm = self.vllm
+        return decide(self.setting, self.capacity, held, vllm.load, arrived=vllm.arrived,
+                      accounted=vllm.accounted, preempted=vllm.preempted,
+                      slow=vllm.slow is not None, most=vllm.ramp())
 
     def room(self) -> int:
         """Jobs to ask the job API for now: a fixed ``MAX_CONCURRENCY`` less the jobs taken
         (a batch job as one), or, with ``auto``, the limit less the requests held."""
         if self.setting is not None:
             jobs = self._ledger.jobs
-            if self._slow is not None:  # over the latency bound: none more, one at least
+            if self.vllm.slow is not None:  # over the latency bound: none more, one at least
                 return 0 if jobs else 1
-            return max(0, min(self.setting, self._ramp() or self.setting) - jobs)
+            return max(0, min(self.setting, self.vllm.ramp() or self.setting) - jobs)
         held = self.held()
         limit = self.limit(held)
-        self._log(limit, held.jobs)
+        self._log.change(limit, held.jobs, self.vllm)
         return limit.room(held.jobs)
 
     def _per_job(self, held: Held) -> int:
@@ -188,7 +177,7 @@ class Pacer:
             return True
         per_job = self._per_job(held)
         tokens = shape.tokens(self.capacity.context, self.capacity.block_size,
-                              self.answers.estimate().tokens)
+                              self.vllm.estimate().tokens)
         return (held.tokens + (held.unsized + RESERVE) * per_job + tokens
                 <= kv_budget(self.capacity))
 
@@ -201,7 +190,7 @@ class Pacer:
         while not self._line_fits(shape):
             await self.changed()
         self._ledger.line_sent(shape)
-        self._sent += 1
+        self.vllm.sent()
 
     def release_line(self, shape: Shape) -> None:
         """The line has ended (however: the release is a task's done-callback)."""
@@ -211,32 +200,14 @@ class Pacer:
     # -- vLLM's figures ----------------------------------------------------------------------
     def asking(self) -> None:
         """vLLM's figures are asked for now: what it can count of the requests sent."""
-        self._arrived, self._sent = self._sent, 0
         budget = kv_budget(self.capacity)
         held = self.held()
-        self._accounted = 1.0 if not budget else \
-            (held.tokens + held.unsized * self._per_job(held)) / budget
+        self.vllm.asking(1.0 if not budget else
+                         (held.tokens + held.unsized * self._per_job(held)) / budget)
 
-    def observe(self, load: Load, accounted: float | None = None) -> None:
-        """vLLM's figures of now (``accounted``: the KV cache's share the requests held when
-        they were asked for could use, when not :meth:`asking`'s)."""
-        if accounted is not None:
-            self._accounted = accounted
-        previous = self._load
-        self._preempted = previous is not None and load.preemptions > previous.preemptions
-        self._load = load
-        self.answers.observe(load.answers, self._preempted)
-        if self.latency:
-            self._inter_token.observe(load.itl)
-            self._first_token.observe(load.ttft)
-            slow = over_bound(self.latency, self._inter_token.recent(),
-                              self._first_token.recent())
-            now = self._clock()
-            if slow is not None and self._slow is None and \
-                    now - self._slow_said_at >= LOG_EVERY:
-                self._slow_said_at = now
-                logger.info("%s: no more jobs until it is within", slow)
-            self._slow = slow
+    def observe(self, load: Load) -> None:
+        """vLLM's figures of now (and its KV cache's size and block, once it says them)."""
+        self.vllm.observe(load)
         capacity = self.capacity
         if capacity.kv_tokens is None and load.kv_tokens is not None:
             capacity = dataclasses.replace(capacity, kv_tokens=load.kv_tokens)
@@ -247,7 +218,7 @@ class Pacer:
 
     def forget(self) -> None:
         """vLLM's figures could not be read: the start-up figures decide until they are."""
-        self._load, self._preempted, self._slow = None, False, None
+        self.vllm.forget()
         self._changed()
 
     def summary(self) -> str:
@@ -261,7 +232,7 @@ class Pacer:
     # -- the log -----------------------------------------------------------------------------
     def estimate(self) -> Estimate:
         """The answer counted now for a job that sets no bound."""
-        return self.answers.estimate()
+        return self.vllm.estimate()
 
     def start_line(self) -> str:
         """What the worker takes, in words, once vLLM is healthy."""
@@ -273,19 +244,29 @@ class Pacer:
                 f"a chat job with no max_tokens counts an answer of "
                 f"{self.estimate().tokens:,} tokens until vLLM's answers say theirs")
 
-    def _log(self, limit: Limit, held: int) -> None:
+
+class LimitLog:
+    """The limit's changes in the log, at most one line every :data:`LOG_EVERY` seconds (the
+    start's line says the first)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._logged: tuple[int, str] | None = None
+        self._logged_at = -LOG_EVERY
+
+    def change(self, limit: Limit, held: int, vllm: VllmView) -> None:
         state = (limit.jobs, limit.reason)
-        if self._logged is None:  # the start's line said the first
+        if self._logged is None:
             self._logged = state
             return
         now = self._clock()
         if state == self._logged or now - self._logged_at < LOG_EVERY:
             return
         self._logged, self._logged_at = state, now
-        load = self._load
+        load = vllm.load
         figures = "" if load is None else (
-            f" ({load_words(load)}; an open answer counted as {self.estimate().words()})")
+            f" ({load_words(load)}; an open answer counted as {vllm.estimate().words()})")
         taking = "no more jobs for now" if limit.jobs <= held else f"up to {limit.jobs:,} jobs"
-        reason = self._slow if limit.reason == "latency" and self._slow else \
+        reason = vllm.slow if limit.reason == "latency" and vllm.slow else \
             REASONS[limit.reason]
         logger.info("taking %s (%d in flight): %s%s", taking, held, reason, figures)
