@@ -94,6 +94,26 @@ class FakeS3:
                 keys.append(key)
         return keys
 
+    def keys_allowed(self, *actions: str, resource: str = "*") -> dict[str, str]:
+        """:meth:`env` with the keys of a user of the store's IAM allowed ``actions`` alone
+        (``s3:PutObject``, ...) on ``resource``: what they may not do is refused (403
+        ``AccessDenied``) while :meth:`refuse_unknown_keys` is on."""
+        import json
+
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.url, region_name=REGION,
+                           aws_access_key_id=ACCESS_KEY_ID,
+                           aws_secret_access_key=SECRET_ACCESS_KEY)
+        name = f"user-{len(iam.list_users()['Users'])}"
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="allowed", PolicyDocument=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": list(actions), "Resource": resource}]}))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return self.env(AWS_ACCESS_KEY_ID=key["AccessKeyId"],
+                        AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
+
     def refuse_unknown_keys(self, on: bool = True) -> None:
         """Check every request's keys against the store's IAM users (there are none: every key
         is refused) from now on, or stop checking."""

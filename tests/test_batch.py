@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +24,7 @@ import pytest
 from tests.fake_s3 import FakeS3, fake_s3
 from worker.config.settings import Settings
 from worker.errors import InvalidRequest
-from worker.jobs import batch, batch_files
+from worker.jobs import batch, batch_files, payload
 from worker.jobs import batch_format as fmt
 from worker.jobs.batch import BatchOptions
 from worker.jobs.batch_files import BatchFiles
@@ -556,8 +557,53 @@ async def test_a_failed_batch_leaves_what_was_at_its_output_url(store: FakeS3) -
     assert body == LAST_NIGHT and keys_of(store, "failed/") == ["failed/out.jsonl"], error
 
 
-def https(answer: Callable[[httpx.Request], httpx.Response]) -> BatchFiles:
-    return BatchFiles(error_code=error_code, transport=httpx.MockTransport(answer))
+async def test_keys_that_cannot_delete_leave_the_checks_object_and_it_is_said_once(
+    store: FakeS3, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Keys allowed PutObject and not DeleteObject: the check's empty object stays beside the
+    output at each batch; the first is named in a warning, once for the worker."""
+    env = store.keys_allowed("s3:PutObject", resource="arn:aws:s3:::batches/*")
+    store.refuse_unknown_keys()
+    try:
+        proxy = proxy_for(HeldVllm(), files=s3_files(store, **env))
+        caplog.set_level(logging.WARNING, "worker.batch")
+        for _ in range(2):
+            [summary] = await run(proxy, {"batch": [line("a")],
+                                          "output_url": "s3://batches/kept/out.jsonl"})
+            assert summary["done"] == 1, summary
+        await proxy.aclose()
+    finally:
+        store.refuse_unknown_keys(False)
+    keys = [key.removeprefix("kept/") for key in keys_of(store, "kept/")]
+    assert len(keys) == 3 and keys[0] == "out.jsonl", keys
+    [warned] = [m for m in caplog.messages if "is left in the bucket" in m]
+    [named] = [key for key in keys[1:] if f"s3://batches/kept/{key}," in warned]
+    assert named.startswith("out.jsonl.check-")
+    assert warned == (
+        f"batch: the empty object s3://batches/kept/{named}, written to check that "
+        "'output_url' s3://batches/kept/out.jsonl takes a write, is left in the bucket: its "
+        "DELETE was answered 403 (AccessDenied). Each batch with an s3:// output_url may leave "
+        "one such object beside it (said once for this worker): delete them, or let the keys "
+        "delete objects (s3:DeleteObject).")
+
+
+def https(answer: Callable[[httpx.Request], httpx.Response],
+          disk: Path | None = None) -> BatchFiles:
+    """Files over https answered by ``answer``; results a write did not take kept under
+    ``disk`` (its ``volume`` as BASE_PATH, its ``cache`` as the user's cache folder)."""
+    where = disk or Path("/nonexistent")
+    return BatchFiles(error_code=error_code, transport=httpx.MockTransport(answer),
+                      base_path=str(where / "volume"), cache_home=str(where / "cache"))
+
+
+def kept_file(folder: Path) -> Path:
+    """The one file of results kept in ``folder``'s batch-results, nothing else there."""
+    [path] = (folder / batch_files.RESULTS_DIR).iterdir()
+    return path
+
+
+def ids_in(path: Path) -> list[str]:
+    return sorted(json.loads(x)["custom_id"] for x in path.read_text().splitlines())
 
 
 async def test_a_batch_over_https() -> None:
@@ -617,7 +663,7 @@ async def test_a_write_that_fails_at_the_end_is_tried_again(
 
 
 async def test_results_that_cannot_be_written_at_the_end_go_into_the_output(
-    monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The results' write is refused: nothing is lost."""
     monkeypatch.setattr(fmt, "FALLBACK_PIECE", 2)
@@ -627,7 +673,7 @@ async def test_results_that_cannot_be_written_at_the_end_go_into_the_output(
         puts.append(request.content)
         return httpx.Response(403)
 
-    pieces = await run(proxy_for(HeldVllm(), files=https(answer)), {
+    pieces = await run(proxy_for(HeldVllm(), files=https(answer, tmp_path)), {
         "batch": [line("a"), line("b"), line("c")],
         "output_url": "https://files.example/out.jsonl?sig=SECRET"})
     *parts, summary = pieces
@@ -635,6 +681,80 @@ async def test_results_that_cannot_be_written_at_the_end_go_into_the_output(
     assert [len(part["results"]) for part in parts] == [2, 1] and len(puts) == 1
     assert summary["done"] == 3 and "answered 403" in summary["output_error"]
     assert "SECRET" not in json.dumps(pieces)
+
+
+@pytest.mark.parametrize(("status", "tries"), [(503, 3), (429, 3), (None, 3), (403, 1)],
+                         ids=["5xx", "429", "no-connection", "403"])
+async def test_a_write_that_keeps_failing_is_tried_again_where_a_retry_helps_and_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, status: int | None, tries: int
+) -> None:
+    """A 5xx, a 429 and no connection are tried again, a 403 (an expired signature) is not;
+    the results a write never took are kept on the volume, the file named, and are in the
+    job's output too (they fit it)."""
+    monkeypatch.setattr(batch_files, "wait_exponential", lambda **_: lambda _: 0)
+    puts: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        puts.append(request.content)
+        if status is None:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(status)
+
+    (tmp_path / "volume").mkdir()
+    pieces = await run(proxy_for(HeldVllm(), files=https(answer, tmp_path)), {
+        "batch": [line("a"), line("b")], "output_url": "https://files.example/out.jsonl?s=X"})
+    *parts, summary = pieces
+    assert len(puts) == tries and sorted(r["custom_id"] for r in results_of(parts)) == [
+        "a", "b"]
+    path = kept_file(tmp_path / "volume")
+    assert ids_in(path) == ["a", "b"] and path.name.startswith("b-")
+    assert summary["output_error"].endswith(
+        f"The results are in this output, and kept in {path}, on the network volume at "
+        f"{tmp_path / 'volume'}.")
+    assert ("tried 3 times" in summary["output_error"]) == (tries == 3)
+
+
+@pytest.mark.parametrize("volume", [True, False], ids=["volume", "no-volume"])
+async def test_results_too_large_for_the_jobs_output_fail_the_job_naming_their_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, volume: bool
+) -> None:
+    """Past the job's result (Runpod's 10 MB, here 2,000 bytes) the results cannot go into the
+    output: the job fails, its error naming why the write failed and the file that holds
+    them: on the volume, else on the worker's own disk."""
+    monkeypatch.setattr(payload, "RUN_RESULT_LIMIT", 2000)
+    if volume:
+        (tmp_path / "volume").mkdir()
+    files = https(lambda _: httpx.Response(403, content=b"<Error><Code>AccessDenied</Code>"
+                                                        b"</Error>"), tmp_path)
+    pieces = await run(proxy_for(HeldVllm(), files=files), {
+        "batch": [line(str(n), "x" * 300) for n in range(10)],
+        "output_url": "https://files.example/out.jsonl?sig=SECRET"})
+    error = error_of(pieces)
+    assert len(pieces) == 1 and error["type"] == "invalid_request"
+    path = kept_file(tmp_path / ("volume" if volume else "cache/worker-vllm"))
+    assert ids_in(path) == [str(n) for n in range(10)]
+    assert error["results_file"] == str(path) and error["param"] == "output_url"
+    assert (error["done"], error["total"], error["errors"]) == (10, 10, 0)
+    where = (f"on the network volume at {tmp_path / 'volume'}" if volume else
+             "on this worker's own disk, which goes with the worker (no network volume at "
+             f"{tmp_path / 'volume'})")
+    assert error["message"] == (
+        "'output_url' https://files.example/out.jsonl?... cannot be written: the server "
+        f"answered 403 (AccessDenied). The 10 results ({path.stat().st_size:,} bytes, more "
+        f"than the job's output holds) are kept in {path}, {where}.")
+
+
+async def test_results_the_volume_cannot_take_are_kept_on_the_workers_disk(
+    tmp_path: Path
+) -> None:
+    (tmp_path / "volume").mkdir()
+    (tmp_path / "volume" / batch_files.RESULTS_DIR).write_text("a file, not a folder")
+    kept = await https(lambda _: httpx.Response(200), tmp_path).keep("sync-1/x", b"{}\n")
+    assert kept.path == str(kept_file(tmp_path / "cache" / "worker-vllm"))
+    assert kept.where == ("on this worker's own disk, which goes with the worker (the "
+                          "network volume could not be written)")
+    assert Path(kept.path).name.startswith("sync-1_x-")
+    assert await asyncio.to_thread(Path(kept.path).read_bytes) == b"{}\n"
 
 
 def test_the_signature_of_an_object_put_is_botocores(monkeypatch: pytest.MonkeyPatch) -> None:

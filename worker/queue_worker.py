@@ -93,14 +93,16 @@ class QueueWorker:
     def _batch_options(self) -> BatchOptions:
         """Batch jobs' lines in flight (BATCH_CONCURRENCY, else vLLM's running batch), and
         their files signed with the AWS_* variables the start read (those vLLM's model
-        streamer gets), and a store's refusal read for its S3 error code."""
+        streamer gets), a store's refusal read for its S3 error code, and results an
+        output_url did not take kept on the volume at BASE_PATH when there is one."""
         launch = self.startup.launch
         # The start read it (MAX_NUM_SEQS, else vLLM's default for the device).
         max_num_seqs = str(self._capacity.max_num_seqs) if self._capacity is not None else (
             launch.command.value("--max-num-seqs") if launch else None)
         sign = functools.partial(object_request, dict(launch.env) if launch else {})
         return BatchOptions(concurrency(self.settings.batch_concurrency, max_num_seqs),
-                            BatchFiles(sign, error_code=error_code),
+                            BatchFiles(sign, error_code=error_code,
+                                       base_path=self.settings.base_path),
                             self.settings.progress_interval)
 
     def _pacer_of(self, batches: BatchOptions) -> Pacer:

@@ -14,8 +14,10 @@ to vLLM through the proxy's own pooled client (:meth:`worker.jobs.handler.Proxy.
   as the job's stream batching says (:class:`worker.jobs.relay.PendingBatches`: the first piece
   at once, the next ones growing, none waiting more than ``max_batch_delay``), each with the
   counts; with ``output_url`` they are kept, written there at the end, and the job's output is
-  a summary (a write that still fails after its tries puts them into the job's output
-  instead, the summary saying why).
+  a summary. A write that still fails after its tries keeps them on disk (the volume, else the
+  worker's own) and puts them into the job's output instead, the summary saying why and
+  where the file is; results too large for the job's output fail the job with an error that
+  names their file.
 * **Cancel.** The job's task ending (the SDK cancels it) cancels the dispatch and every line in
   flight: the lines not sent never are, and each request in flight is closed, which makes vLLM
   abort it.
@@ -133,18 +135,46 @@ class BatchRunner:
         kept: list[dict[str, Any]] = []
         async for results in run.results(spec.policy):
             kept.extend(results)
+        data = await _off_loop(len(kept) > BIG_LINES, lambda: b"".join(fmt.jsonl(kept)))
         try:
-            data = await _off_loop(len(kept) > BIG_LINES, lambda: b"".join(fmt.jsonl(kept)))
             await self._files.write(spec.output, data)
         except InvalidRequest as exc:
-            # The work is in the results: they go into the job's output rather than nowhere.
-            logger.warning("batch %s: %s The results go into the job's output instead.",
-                           job_id, exc.message)
-            for start in range(0, len(kept), fmt.FALLBACK_PIECE):
-                yield fmt.piece(kept[start:start + fmt.FALLBACK_PIECE], run.counts)
-            yield fmt.summary(run.counts, spec.output, exc.message)
+            async for item in self._not_written(job_id, spec.output, kept, data, run.counts,
+                                                exc.message):
+                yield item
             return
         yield fmt.summary(run.counts, spec.output)
+
+    async def _not_written(self, job_id: object, output: fmt.FileUrl,
+                           results: list[dict[str, Any]], data: bytes, counts: fmt.Counts,
+                           why: str) -> AsyncIterator[Any]:
+        """Results ``output`` did not take (``why``): the work is in them, so they are kept
+        on disk, and go into the job's output too where they fit its result; results too
+        large for it fail the job with an error that names their file."""
+        try:
+            kept = await self._files.keep(job_id, data)
+            where: str | None = f"kept in {kept.path}, {kept.where}"
+            problem = ""
+        except OSError as exc:
+            kept, where, problem = None, None, str(exc)
+        pieces = [fmt.piece(results[start:start + fmt.FALLBACK_PIECE], counts)
+                  for start in range(0, len(results), fmt.FALLBACK_PIECE)]
+        summary = fmt.summary(counts, output, f"{why} The results are in this output" + (
+            f", and {where}." if where else f"; {problem}."))
+        if await _off_loop(len(results) > BIG_LINES, fmt.fits_result, job_id, len(data),
+                           [*pieces, summary]):
+            logger.warning("batch %s: %s The results go into the job's output instead%s.",
+                           job_id, why, f", and are {where}" if where else f"; {problem}")
+            for item in (*pieces, summary):
+                yield item
+            return
+        said = (f"The {len(results)} results ({len(data):,} bytes, more than the job's output "
+                f"holds) are {where}." if where else
+                f"The {len(results)} results ({len(data):,} bytes) are more than the job's "
+                f"output holds, and were {problem}: they are lost.")
+        logger.warning("batch %s: %s %s", job_id, why, said)
+        raise InvalidRequest(f"{why} {said}", param=output.field,
+                             results_file=kept.path if kept else None, **counts.figures())
 
 
 class _Run:

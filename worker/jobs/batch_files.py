@@ -13,14 +13,24 @@ server said (an S3 error's ``<Code>``, read by the model stage's
 :func:`worker.model.bucket.error_code`, handed in with the signer as :data:`ErrorCode`), so
 that the job can say why its batch is unusable. One HTTP client serves every request of a
 :class:`BatchFiles`, and so keeps its connections for the next batch.
+
+The results' write is tried again where a retry can help (no connection, a 5xx, a 429), not
+where it cannot (a 403 of an expired or wrong signature). Results that it still could not
+write are kept on disk (:meth:`BatchFiles.keep`): on the network volume at ``BASE_PATH`` when
+there is one, else on the worker's own disk (:func:`results_dirs`), so that a batch's work is
+never lost with its write.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import re
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -40,10 +50,65 @@ logger = logging.getLogger("worker.batch")
 _ERROR_BYTES = 4096
 #: Tries of a write of the results (the batch's work is in them): at once, then 1 and 2 s later.
 WRITE_ATTEMPTS = 3
+#: The folder, on the volume or the worker's disk, of results an output_url did not take.
+RESULTS_DIR = "batch-results"
+#: A refusal a retry can fix: the server is overloaded (429) or failed (5xx).
+_RETRIED = 429
 
 
 class _Transient(Exception):
-    """A write that may succeed if tried again (no connection, a 5xx)."""
+    """A write that may succeed if tried again (no connection, a 5xx, a 429)."""
+
+
+@dataclass(frozen=True)
+class KeptResults:
+    """Where results an output_url did not take were kept: the file, and in words where that
+    is (the network volume, or the worker's own disk)."""
+
+    path: str
+    where: str
+
+
+def results_dirs(base_path: str, cache_home: str,
+                 is_dir: Callable[[str], bool] = os.path.isdir) -> list[tuple[str, str]]:
+    """The folders results an output_url did not take are kept in, in the order they are
+    tried, each with where it is in words: ``BASE_PATH/batch-results`` when ``BASE_PATH`` is a
+    folder (a network volume: it outlives the worker), then
+    ``<cache_home>/worker-vllm/batch-results`` on the worker's own disk (the folder of the
+    worker's other files, such as fetched adapters without a volume)."""
+    local = (os.path.join(cache_home, "worker-vllm", RESULTS_DIR),
+             f"on this worker's own disk, which goes with the worker (no network volume at "
+             f"{base_path})")
+    if not is_dir(base_path):
+        return [local]
+    return [(os.path.join(base_path, RESULTS_DIR), f"on the network volume at {base_path}"),
+            (local[0], "on this worker's own disk, which goes with the worker (the network "
+                       "volume could not be written)")]
+
+
+def results_name(job_id: object) -> str:
+    """A file name for a job's kept results: its id (characters a path may hold) and a
+    suffix of its own, so that no earlier file is written over."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", str(job_id))[:100].lstrip(".") or "batch"
+    return f"{safe}-{uuid.uuid4().hex[:8]}.jsonl"
+
+
+def _write_file(folder: str, name: str, data: bytes) -> str:
+    """``data`` into ``folder/name`` whole or not at all (written aside, synced, renamed)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    partial = os.path.join(folder, f".{name}.partial")
+    try:
+        with open(partial, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+    return path
 
 
 class BatchFiles:
@@ -52,12 +117,19 @@ class BatchFiles:
 
     def __init__(self, sign_s3: S3Signer | None = None, *, error_code: ErrorCode | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, base_path: str = "/runpod-volume",
+                 cache_home: str | None = None) -> None:
         self._sign_s3 = sign_s3
         self._error_code = error_code
         self._transport = transport
         self._timeout = timeout
         self._http: httpx.AsyncClient | None = None
+        # Where results an output_url did not take are kept (:func:`results_dirs`).
+        self._base_path = base_path
+        # The XDG rule, as the start reads the user's cache folder.
+        self._cache_home = cache_home or os.environ.get("XDG_CACHE_HOME", "").strip() or (
+            os.path.join(os.path.expanduser("~"), ".cache"))
+        self._left_said = False  # a check's object left behind: said once per worker
 
     def _client(self) -> httpx.AsyncClient:
         # Made at the first request: it belongs to the event loop that runs the jobs.
@@ -113,20 +185,40 @@ class BatchFiles:
                                  f"(byte {exc.start}).", param=source.field) from None
 
     async def write(self, target: FileUrl, data: bytes) -> None:
-        """Write ``data`` at ``target`` (tried again on a failed connection or a 5xx), or
-        InvalidRequest saying why it could not be."""
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(_Transient), stop=stop_after_attempt(WRITE_ATTEMPTS),
-            wait=wait_exponential(multiplier=1, max=4), reraise=True,
-        ):
-            with attempt:
-                await self._put(target, data)
+        """Write ``data`` at ``target`` (tried again on a failed connection, a 5xx or a 429),
+        or InvalidRequest saying why it could not be."""
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(_Transient),
+                stop=stop_after_attempt(WRITE_ATTEMPTS),
+                wait=wait_exponential(multiplier=1, max=4), reraise=True,
+            ):
+                with attempt:
+                    await self._put(target, data)
+        except _Transient as exc:
+            raise InvalidRequest(f"{str(exc).removesuffix('.')}, tried {WRITE_ATTEMPTS} times.",
+                                 param=target.field) from None
+
+    async def keep(self, job_id: object, data: bytes) -> KeptResults:
+        """Keep a batch's results (``data``) that its output_url did not take in a file of
+        their own (:func:`results_dirs`: the volume, else the worker's disk); OSError saying
+        why, when no folder could hold them."""
+        name = results_name(job_id)
+        failures = []
+        for folder, where in results_dirs(self._base_path, self._cache_home):
+            try:
+                return KeptResults(await asyncio.to_thread(_write_file, folder, name, data),
+                                   where)
+            except OSError as exc:
+                failures.append(f"{folder}: {exc.strerror or type(exc).__name__}")
+        raise OSError(f"not kept on disk ({'; '.join(failures)})")
 
     async def check(self, target: FileUrl) -> None:
         """Whether ``target`` takes a write, before any line runs, leaving what is there as it
-        is: an ``s3://`` target's bucket takes an empty object beside it (deleted at once); an
-        ``https://`` URL (a presigned one can only be written) is written once, with the
-        results. InvalidRequest saying why not."""
+        is: an ``s3://`` target's bucket takes an empty object beside it (deleted at once; one
+        the store did not delete is said, once per worker); an ``https://`` URL (a presigned
+        one can only be written) is written once, with the results. InvalidRequest saying why
+        not."""
         if target.scheme != "s3":
             return
         probe = FileUrl(f"{target.url}.check-{uuid.uuid4().hex[:12]}", target.field)
@@ -135,10 +227,28 @@ class BatchFiles:
         except _Transient as exc:
             raise InvalidRequest(str(exc), param=target.field) from None
         try:
-            await self._client().send(self._request("DELETE", probe, b""))
-        except (httpx.HTTPError, InvalidRequest) as exc:  # an empty object left: said, no harm
-            logger.warning("batch: the empty object written to check %s was not deleted (%s)",
-                           shown(target.url), type(exc).__name__)
+            answer = await self._client().send(self._request("DELETE", probe, b""))
+        except (httpx.HTTPError, InvalidRequest) as exc:
+            self._left_behind(probe, target, f"its DELETE failed ({type(exc).__name__})")
+            return
+        if not (200 <= answer.status_code < 300 or answer.status_code == 404):
+            code = self._error_code(answer.content[:_ERROR_BYTES]) if self._error_code else None
+            said = f" ({code})" if code else ""
+            fix = (", or let the keys delete objects (s3:DeleteObject)"
+                   if answer.status_code == 403 else "")
+            self._left_behind(probe, target,
+                              f"its DELETE was answered {answer.status_code}{said}", fix)
+
+    def _left_behind(self, probe: FileUrl, target: FileUrl, why: str, fix: str = "") -> None:
+        """An empty object of the check stays in the bucket: no harm, said once per worker."""
+        if self._left_said:
+            return
+        self._left_said = True
+        logger.warning(
+            "batch: the empty object %s, written to check that 'output_url' %s takes a "
+            "write, is left in the bucket: %s. Each batch with an s3:// output_url may leave "
+            "one such object beside it (said once for this worker): delete them%s.",
+            shown(probe.url), shown(target.url), why, fix)
 
     async def _put(self, target: FileUrl, data: bytes, *, shown_as: FileUrl | None = None
                    ) -> None:
@@ -150,7 +260,7 @@ class BatchFiles:
             response = await self._client().send(request)
         except httpx.HTTPError as exc:
             raise _Transient(self._unreachable(named, exc).message) from None
-        if response.status_code >= 500:
+        if response.status_code >= 500 or response.status_code == _RETRIED:
             raise _Transient(self._refused(named, "written", response).message)
         if not 200 <= response.status_code < 300:
             raise self._refused(named, "written", response)

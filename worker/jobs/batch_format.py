@@ -29,7 +29,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from worker.errors import InvalidRequest, VllmError, WorkerError, WorkerStopping
+from worker.errors import InvalidRequest, ResultTooLarge, VllmError, WorkerError, WorkerStopping
+from worker.jobs.payload import ResultBudget
 from worker.jobs.routing import (
     ALLOWED_METHODS,
     BatchPolicy,
@@ -344,6 +345,20 @@ def summary(counts: Counts, output: FileUrl, not_written: str | None = None) -> 
     saying why, could not be: they are in the pieces before it)."""
     done = {"output_url": shown(output.url), **counts.figures(), "failures": counts.failures}
     return done if not_written is None else {**done, "output_error": not_written}
+
+
+def fits_result(job_id: object, size: int, outputs: Sequence[Any]) -> bool:
+    """Whether ``outputs`` (of ``size`` bytes as JSON lines at least) fit the job's result,
+    as the job loop counts them (:class:`worker.jobs.payload.ResultBudget`)."""
+    budget = ResultBudget.for_job(job_id)
+    if size > budget.limit:
+        return False
+    for output in outputs:
+        admitted = budget.admit(output)
+        if isinstance(admitted, ResultTooLarge):
+            return False
+        budget = admitted.budget
+    return True
 
 
 def progress_line(job_id: object, counts: Counts, seconds: float) -> str:
