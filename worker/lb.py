@@ -38,11 +38,11 @@ import aiohttp
 from aiohttp import web
 
 from worker.config.resolved import PROXY_IDLE_SECONDS
+from worker.config.routes import closed_route_problem
 from worker.config.settings import Settings
 from worker.config.stop import StopClock
 from worker.errors import BackendUnavailable, InvalidRequest, PrestartFailed, WorkerError
 from worker.jobs.loopwatch import watching
-from worker.model.bucket_adapters import closed_route_problem
 from worker.start.rank import watch_cluster
 from worker.start.startup import StartOutcome, Startup
 

@@ -15,17 +15,22 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from worker.config.resolved import VllmCommand
 
-if TYPE_CHECKING:
-    from worker.start.gpus import Gpu
-
-__all__ = ["Capacity", "StartFigures", "capacity_of", "default_max_num_seqs",
+__all__ = ["Capacity", "Gpu", "StartFigures", "capacity_of", "default_max_num_seqs",
            "read_start_figures"]
 
 GIB_MIB = 1024
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi names it (:mod:`worker.start.gpus` asks): its total memory in MiB
+    and its name (``NVIDIA H100 80GB HBM3``), both of which vLLM's defaults depend on."""
+
+    memory_mib: int
+    name: str = ""
 
 
 # -- what vLLM said at start ------------------------------------------------------------------

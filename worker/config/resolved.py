@@ -325,7 +325,7 @@ class Launch:
     """Where the network volume mounts (BASE_PATH)."""
     closed_routes: tuple[str, ...] = ()
     """vLLM's routes refused to jobs and to a load balancer's clients
-    (:func:`worker.model.bucket_adapters.closed_route_problem`)."""
+    (:func:`worker.config.routes.closed_route_problem`)."""
 
     @property
     def cpu_kv_cache_space(self) -> str | None:

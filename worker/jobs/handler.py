@@ -30,6 +30,7 @@ from tenacity import (
 
 from worker.config.request_fields import RequestFields
 from worker.config.resolved import PROXY_IDLE_SECONDS
+from worker.config.routes import closed_route_problem
 from worker.config.settings import Settings
 from worker.errors import (
     BackendUnavailable,
@@ -46,7 +47,6 @@ from worker.jobs.forms import httpx_parts
 from worker.jobs.pacer import Pacer
 from worker.jobs.relay import SseRelay
 from worker.jobs.routing import BatchPolicy, JobDefaults, VllmRequest, parse_job_input, sent_model
-from worker.model.bucket_adapters import closed_route_problem
 
 logger = logging.getLogger("worker.handler")
 
@@ -164,7 +164,7 @@ class Proxy:
         closed_routes: tuple[str, ...] = (),
     ) -> None:
         """``closed_routes``: vLLM's routes no job may reach
-        (:func:`worker.model.bucket_adapters.closed_route_problem`)."""
+        (:func:`worker.config.routes.closed_route_problem`)."""
         if not _is_loopback(settings.base_url):
             raise ConfigError(
                 f"VLLM_BASE_URL={settings.base_url!r} is not a loopback address; the worker "

@@ -25,24 +25,21 @@ import math
 import os
 import re
 import subprocess
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from worker.config.routes import DOCS, RUNTIME_VARIABLE, URI_VARIABLE, closed_route_problem
 from worker.errors import ConfigError, StartupError
 
-__all__ = ["ADMIN_ROUTES", "BucketAdapters", "VllmPlugins", "bucket_adapters",
+__all__ = ["ADMIN_ROUTES", "URI_VARIABLE", "BucketAdapters", "VllmPlugins", "bucket_adapters",
            "closed_route_problem", "missing_plugin", "plain_name_problem", "vllm_plugins"]
 
-URI_VARIABLE = "LORA_ADAPTERS_URI"
 DIR_VARIABLE = "LORA_ADAPTERS_DIR"
 DISK_VARIABLE = "LORA_ADAPTERS_DISK_GIB"
 RANK_VARIABLE = "LORA_ADAPTERS_MAX_RANK"
 URL_VARIABLE = "LORA_ADAPTERS_VLLM_URL"
 PLUGIN = "lora_bucket_resolver"
-RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
-DOCS = "docs/adapters.md#adapters-from-a-bucket"
 #: Where vLLM finds its general plugins (the resolver's entry point is one).
 PLUGIN_GROUP = "vllm.general_plugins"
 INSTALL_STEP = "scripts/install_adapter_plugin.py"
@@ -127,22 +124,6 @@ def bucket_adapters(
         where = "on the volume" if on_volume else f"on local disk (no volume at {base_path})"
         notes.append(f"adapters from {uri} are fetched into {added[DIR_VARIABLE]} ({where})")
     return BucketAdapters(uri, added, tuple(notes), closed)
-
-
-def closed_route_problem(route: str, closed: tuple[str, ...]) -> str | None:
-    """Why a job or a client may not reach ``route`` (a path, with its query string, as sent)
-    on vLLM, or None. The path is read as vLLM's server reads it (percent-decoded), a
-    repeated or a last ``/`` aside."""
-    if not closed:
-        return None
-    path = urllib.parse.unquote(route.split("?", 1)[0])
-    path = "/" + "/".join(part for part in path.split("/") if part)
-    if path not in closed:
-        return None
-    return (f"{path} is closed on this worker: {RUNTIME_VARIABLE} was turned on by the worker "
-            f"for {URI_VARIABLE} (vLLM asks the bucket only with it), not to load or unload "
-            f"adapters by request. Set {RUNTIME_VARIABLE}=true yourself to open "
-            f"{' and '.join(closed)} ({DOCS}).")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+from worker.config.capacity import Gpu
 
 __all__ = ["QUERY", "Gpu", "parse_gpus", "query_gpus"]
 
@@ -32,14 +33,6 @@ def _run(argv: Sequence[str]) -> tuple[int, str]:
     done = subprocess.run(list(argv), capture_output=True, text=True, timeout=TIMEOUT,
                           check=False)
     return done.returncode, done.stdout
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """One GPU: its total memory in MiB and its name (``NVIDIA H100 80GB HBM3``)."""
-
-    memory_mib: int
-    name: str = ""
 
 
 def parse_gpus(text: str) -> tuple[Gpu, ...] | str:
