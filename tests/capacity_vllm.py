@@ -25,7 +25,10 @@ runs (``vllm/v1/core/sched/scheduler.py``), token-exact and without blocks:
   the KV cache has room for the head's tokens (prompt + generated) + 1; the first that does
   not fit stops the admissions (no request overtakes another).
 * The step lasts ``step_seconds`` × (1 + ``per_seq_cost`` × running sequences): a step is
-  slower with more sequences, as a GPU's is. Prefill costs nothing more than a step.
+  slower with more sequences, as a GPU's is; or, when ``step_curve`` is set (points of
+  running sequences and a step's seconds, a GPU's measured shape), the curve through them,
+  straight on past its last two points (:func:`curve_step`). Prefill costs nothing more
+  than a step.
 * At the end of the step every running sequence has produced one token (the first token
   comes from the step that admitted it). A request finishes after its ``max_tokens``
   tokens (finish reason ``length``) and frees its KV; a chat that sets no ``max_tokens`` ends
@@ -131,6 +134,8 @@ class EngineConfig:
     step_seconds: float = DEFAULT_STEP_SECONDS
     per_seq_cost: float = 0.0
     answer_mean: float = DEFAULT_ANSWER_MEAN
+    #: (running sequences, seconds a step) points, in order; empty: the linear cost above.
+    step_curve: tuple[tuple[int, float], ...] = ()
     seed: int = 0
 
     @classmethod
@@ -180,6 +185,19 @@ def _now() -> float:
         return asyncio.get_running_loop().time()
     except RuntimeError:  # stepped by hand, outside a loop
         return time.monotonic()
+
+
+def curve_step(curve: Sequence[tuple[int, float]], running: int) -> float:
+    """A step's seconds with ``running`` sequences on the curve through ``curve``'s points:
+    linear between two points, the first point's below it, and on past the last point at
+    the slope of the last two."""
+    if running <= curve[0][0] or len(curve) == 1:
+        return curve[0][1] if running <= curve[0][0] else curve[-1][1]
+    for (n0, s0), (n1, s1) in itertools.pairwise(curve):
+        if running <= n1:
+            return s0 + (s1 - s0) * (running - n0) / (n1 - n0)
+    (n0, s0), (n1, s1) = curve[-2], curve[-1]
+    return s1 + (s1 - s0) * (running - n1) / (n1 - n0)
 
 
 class Engine:
@@ -256,6 +274,8 @@ class Engine:
         self.waiting_after_schedule_max = max(self.waiting_after_schedule_max, left)
 
     def step_duration(self) -> float:
+        if self.config.step_curve:
+            return curve_step(self.config.step_curve, len(self.running))
         return self.config.step_seconds * (1 + self.config.per_seq_cost * len(self.running))
 
     def advance(self) -> None:
