@@ -393,3 +393,26 @@ def test_chat_jobs_with_no_max_tokens_fill_vllm_as_their_answers_are(tmp_path: P
     assert peak_in_flight(records) == 32
     assert 'vllm:num_preemptions_total{engine="0",model_name="m"} 0.0' in text
     assert "a chat job with no max_tokens counts an answer of 1,024 tokens" in worker.log()
+
+
+@pytest.mark.parametrize("answer", ["figures", "no route", "refused"])
+async def test_the_first_take_can_wait_for_the_first_read_whatever_it_found(answer: str) -> None:
+    """The queue worker takes its first jobs once vLLM's first figures are read (its KV cache's
+    block size sizes them), or once the read failed: the wait always ends."""
+    pacer = Pacer(None, SMALL)
+
+    async def metrics() -> str | None:
+        if answer == "refused":
+            raise OSError("refused")
+        return None if answer == "no route" else \
+            'vllm:cache_config_info{block_size="128",engine="0"} 1.0\n'
+
+    reading = asyncio.create_task(pacer.run(metrics, interval=0))
+    await asyncio.wait_for(pacer.first_read(), 60)
+    assert pacer.capacity.block_size == (128 if answer == "figures" else 16)
+    reading.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reading
+    fixed = Pacer(8, SMALL)  # a number set reads nothing: nothing to wait for
+    await asyncio.wait_for(fixed.run(metrics), 60)
+    await asyncio.wait_for(fixed.first_read(), 60)

@@ -47,6 +47,9 @@ from worker.start.startup import StartOutcome, Startup
 
 logger = logging.getLogger("worker")
 
+#: Seconds the first take waits for vLLM's first figures (a read takes milliseconds).
+FIRST_READ_TIMEOUT = 10.0
+
 _DEATH_DRAIN_TIMEOUT = 1.5
 
 ProxyFactory = Callable[[str | None, BackendFailureProbe], Proxy]
@@ -281,6 +284,9 @@ class QueueWorker:
             logger.info("%s", pacer.start_line())
         reading = asyncio.create_task(pacer.run(proxy.metrics), name="vllm-metrics") \
             if proxy is not None else None
+        if reading is not None:  # the figures that size the jobs, before the first take
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pacer.first_read(), FIRST_READ_TIMEOUT)
         try:
             with watching(self.settings.loop_stall_warning if proxy is not None else 0):
                 await jobs.run()

@@ -51,6 +51,8 @@ class Reader(Protocol):
 
     def summary(self) -> str: ...
 
+    def read_once(self) -> None: ...
+
 
 def load_words(load: Load) -> str:
     """vLLM's load in words, for the log."""
@@ -59,7 +61,15 @@ def load_words(load: Load) -> str:
 
 
 async def read_figures(pacer: Reader, metrics: Metrics, interval: float = INTERVAL) -> None:
-    """Read vLLM's figures into ``pacer`` every ``interval`` s while it holds anything."""
+    """Read vLLM's figures into ``pacer`` every ``interval`` s while it holds anything; tell it
+    once the first read is over, whatever it found (:meth:`Reader.read_once`)."""
+    try:
+        await _read_figures(pacer, metrics, interval)
+    finally:
+        pacer.read_once()
+
+
+async def _read_figures(pacer: Reader, metrics: Metrics, interval: float) -> None:
     first, read_once, failing = True, False, False
     missing_said: frozenset[str] = frozenset()
     while True:
@@ -76,6 +86,7 @@ async def read_figures(pacer: Reader, metrics: Metrics, interval: float = INTERV
                                f"{type(exc).__name__}: {exc}".rstrip(": "), pacer.summary())
             failing = True
             pacer.forget()
+            pacer.read_once()
             await asyncio.sleep(interval)
             continue
         load = parse_metrics(text) if text else None
@@ -99,4 +110,5 @@ async def read_figures(pacer: Reader, metrics: Metrics, interval: float = INTERV
                                "those figures" if len(load.missing) > 1 else "that figure")
             read_once, failing = True, False
             pacer.observe(load)
+        pacer.read_once()
         await asyncio.sleep(interval)

@@ -80,6 +80,7 @@ class Pacer:
         self._log = LimitLog(clock)
         self._listeners: list[Callable[[], None]] = []
         self._change = asyncio.Event()
+        self._read = asyncio.Event()
 
     @property
     def latency(self) -> LatencyBound:
@@ -225,9 +226,20 @@ class Pacer:
         return self.capacity.summary()
 
     async def run(self, metrics: Metrics, interval: float = INTERVAL) -> None:
-        """Read vLLM's /metrics while anything is held (``auto`` only)."""
+        """Read vLLM's /metrics while anything is held (``auto``, or under a latency bound)."""
         if self.setting is None or self.latency:
             await read_figures(self, metrics, interval)
+        self.read_once()
+
+    def read_once(self) -> None:
+        """The first read of vLLM's figures is over (or none is made)."""
+        self._read.set()
+
+    async def first_read(self) -> None:
+        """Wait for the first read of vLLM's figures: its KV cache's block size, which sizes
+        every job, before the first take (a take before it counted a CPU vLLM's jobs in blocks
+        of 16 tokens where vLLM gives 128, and took one job too many)."""
+        await self._read.wait()
 
     # -- the log -----------------------------------------------------------------------------
     def estimate(self) -> Estimate:
