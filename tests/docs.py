@@ -18,8 +18,8 @@ HUB_PAGE = ROOT / ".runpod" / "README.md"
 #: Pages whose jobs need more than the one tiny model the tests serve (an adapter on a
 #: volume, a vision-language model, a pooling endpoint, an audio model, a bucket, the ranks of
 #: a cluster): their own tests run them, not the shared worker of tests/test_examples.py.
-OWN_SET_UP = frozenset({"adapters.md", "batch.md", "clusters.md", "images.md", "pooling.md",
-                        "speech-to-text.md"})
+OWN_SET_UP = frozenset({"adapters.md", "adapters-bucket.md", "batch.md", "clusters.md",
+                        "images.md", "pooling.md", "speech-to-text.md"})
 
 
 def pages() -> list[Path]:
