@@ -31,6 +31,10 @@ fixed number through the queue in each.
   jobs that write 400 tokens each; vLLM's ``/metrics`` sampled every 0.2 s. Goal: while jobs
   remain in the platform's queue, vLLM's waiting requests at most 1 at p90, and no request
   preempted; the same figures for ``MAX_CONCURRENCY=30``.
+* **latency**: the chat jobs of open-chat without a latency bound, then with
+  ``MAX_INTER_TOKEN_LATENCY`` at ``--bound-shares`` of the inter-token latency vLLM had
+  without one: vLLM's own inter-token latency at p90 while jobs remain in the platform's
+  queue. Goal (issue 56): at most 1.2 x the bound.
 * **lb**: a load-balancing worker has no take loop: ``--lb-requests`` requests sent at once,
   far over its vLLM's running batch (the stand-in vLLM of tests/capacity_vllm.py, 8
   sequences), straight to vLLM and through the worker's relay: each answer's time, and what
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
@@ -128,6 +133,8 @@ class Sampler:
 
     @contextmanager
     def running(self) -> Iterator[Sampler]:
+        """Sample while the block runs (again and again: the samples add up)."""
+        self._stop = threading.Event()
         thread = threading.Thread(target=self.run, daemon=True)
         thread.start()
         try:
@@ -249,50 +256,62 @@ def chat_direct(number: int, model: str) -> tuple[str, dict[str, Any]]:
 
 
 def compare(workload: Workload, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    """``auto`` against each ``--fixed`` number through the queue, then straight to vLLM at
-    each of those numbers; vLLM's waiting requests and preemptions for every row."""
+    """``auto`` against each ``--fixed`` number through the queue, and straight to vLLM at
+    each of those numbers; vLLM's waiting requests and preemptions for every row.
+
+    Every setting's worker (and its vLLM) is up at once, idle but for the one measured: the
+    rounds go round the settings in turn, each round in another order, so that what else the
+    machine runs meanwhile weighs on every setting alike."""
     settings = ["auto", *(str(n) for n in args.fixed)]
-    queue: dict[str, dict[str, Any]] = {}
-    straight: dict[str, dict[str, Any]] = {}
-    for setting in settings:
-        with FakeJobApi(hold=0.5) as api, worker(api, scratch, workload.name, setting,
-                                                 workload.env) as (process, port):
+    rounds: dict[str, list[dict[str, float]]] = {setting: [] for setting in settings}
+    samplers: dict[str, Sampler] = {}
+    direct_runs: dict[str, list[tuple[int, float]]] = {str(n): [] for n in args.fixed}
+    direct_samplers: dict[str, Sampler] = {}
+    with contextlib.ExitStack() as stack:
+        apis, ports, processes = {}, {}, {}
+        for setting in settings:
+            api = stack.enter_context(FakeJobApi(hold=0.5))
+            process, port = stack.enter_context(
+                worker(api, scratch, workload.name, setting, workload.env))
+            apis[setting], ports[setting], processes[setting] = api, port, process
             # vLLM's first big batches are slower (its allocations): not measured.
             run_jobs(api, [workload.job(n) for n in range(args.warmup)])
-            sampler = Sampler(f"http://127.0.0.1:{port}", api)
-            with sampler.running():
-                rounds = [run_jobs(api, [workload.job(args.warmup + r * args.jobs + n)
-                                         for n in range(args.jobs)])
-                          for r in range(args.rounds)]
-            rates = [figures["tokens"] / figures["seconds"] for figures in rounds]
-            queue[setting] = {
-                "tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
-                "peak_in_flight": max(r["peak_in_flight"] for r in rounds),
-                "answer_tokens_mean": statistics.mean(r["tokens"] / r["jobs"] for r in rounds),
-                **sampler.figures()}
-            if setting == "auto":
-                queue[setting]["log_lines"] = [
-                    line for line in process.log().splitlines() if "worker.capacity:" in line]
-            print(f"{workload.name}: MAX_CONCURRENCY={setting}: "
-                  f"{queue[setting]['tokens_per_s']:.0f} tokens/s (rounds: "
-                  f"{', '.join(f'{rate:.0f}' for rate in rates)}), "
-                  f"{queue[setting]['peak_in_flight']:.0f} held at most, vLLM waiting p90 "
-                  f"{queue[setting]['waiting_p90']:.0f}, {queue[setting]['preemptions']:.0f} "
-                  "preemptions", flush=True)
-            if setting == settings[-1]:
-                model = workload.env["MODEL_NAME"]
-                for concurrency in args.fixed:
-                    sampler = Sampler(f"http://127.0.0.1:{port}", None)
-                    with sampler.running():
-                        runs = [asyncio.run(direct(f"http://127.0.0.1:{port}", model,
-                                                   workload.direct, args.jobs, concurrency))
-                                for _ in range(args.rounds)]
-                    straight[str(concurrency)] = {
-                        "tokens_per_s": statistics.median(t / sec for t, sec in runs),
-                        **sampler.figures()}
-                    print(f"{workload.name}: straight to vLLM at {concurrency}: "
-                          f"{straight[str(concurrency)]['tokens_per_s']:.0f} tokens/s",
-                          flush=True)
+        model, port = workload.env["MODEL_NAME"], ports[settings[-1]]
+        for round_ in range(args.rounds):
+            order = settings[round_ % len(settings):] + settings[:round_ % len(settings)]
+            for setting in order:
+                sampler = samplers.setdefault(
+                    setting, Sampler(f"http://127.0.0.1:{ports[setting]}", apis[setting]))
+                with sampler.running():
+                    rounds[setting].append(run_jobs(apis[setting], [
+                        workload.job(args.warmup + round_ * args.jobs + n)
+                        for n in range(args.jobs)]))
+            for concurrency in args.fixed:
+                sampler = direct_samplers.setdefault(
+                    str(concurrency), Sampler(f"http://127.0.0.1:{port}", None))
+                with sampler.running():
+                    direct_runs[str(concurrency)].append(asyncio.run(direct(
+                        f"http://127.0.0.1:{port}", model, workload.direct, args.jobs,
+                        concurrency)))
+            print(f"{workload.name}: round {round_ + 1}: " + ", ".join(
+                f"{setting} {rounds[setting][-1]['tokens'] / rounds[setting][-1]['seconds']:.0f}"
+                for setting in settings) + " tokens/s; straight " + ", ".join(
+                f"{n} {runs[-1][0] / runs[-1][1]:.0f}" for n, runs in direct_runs.items()),
+                flush=True)
+        auto_log = [line for line in processes["auto"].log().splitlines()
+                    if "worker.capacity:" in line]
+    queue: dict[str, dict[str, Any]] = {}
+    for setting in settings:
+        rates = [figures["tokens"] / figures["seconds"] for figures in rounds[setting]]
+        queue[setting] = {
+            "tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates,
+            "peak_in_flight": max(r["peak_in_flight"] for r in rounds[setting]),
+            "answer_tokens_mean": statistics.mean(r["tokens"] / r["jobs"]
+                                                  for r in rounds[setting]),
+            **samplers[setting].figures()}
+    queue["auto"]["log_lines"] = auto_log
+    straight = {n: {"tokens_per_s": statistics.median(t / sec for t, sec in runs),
+                    **direct_samplers[n].figures()} for n, runs in direct_runs.items()}
     best_fixed = max(queue[str(n)]["tokens_per_s"] for n in args.fixed)
     best_direct = max(row["tokens_per_s"] for row in straight.values())
     auto = queue["auto"]["tokens_per_s"]
@@ -397,6 +416,58 @@ def small_kv(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     return out
 
 
+def latency(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """The latency bound on the real vLLM: the same chat jobs without a bound, then with
+    MAX_INTER_TOKEN_LATENCY at each of ``--bound-shares`` of the inter-token latency vLLM had
+    without one; vLLM's own inter-token latency at p90 while jobs remain in the platform's
+    queue (its histogram's counts over that time, read as Prometheus reads them)."""
+    model = model_variant(scratch, "stops", stop_ids=args.stop_ids)
+    base = worker_env(scratch, MAX_NUM_SEQS="256", KV_CACHE_MEMORY_BYTES="64M",
+                      MODEL_NAME=str(model))
+    base.pop("MAX_MODEL_LEN")
+    job = chat_job(str(model))
+    out: dict[str, Any] = {}
+
+    def one(name: str, env: dict[str, str]) -> dict[str, Any]:
+        with FakeJobApi(hold=0.5) as api, worker(api, scratch, name, "auto", env) as (_, port):
+            run_jobs(api, [job(n) for n in range(args.warmup)])
+            sampler = Sampler(f"http://127.0.0.1:{port}", api)
+            with sampler.running():
+                figures = run_jobs(api, [job(args.warmup + n) for n in range(args.jobs)])
+        seen = [s.load.itl for s in sampler.samples if s.queued > 0 and s.load.itl is not None]
+        p90 = seen[-1].since(seen[0]).quantile(0.9) if len(seen) > 1 else None
+        figures.update(sampler.figures())
+        figures["itl_p90_s"] = p90 if p90 is not None else float("nan")
+        figures["tokens_per_s"] = figures["tokens"] / figures["seconds"]
+        return figures
+
+    free = one("latency-free", base)
+    out["none"] = free
+    print(f"latency: no bound: vLLM's inter-token latency {1000 * free['itl_p90_s']:.0f} ms "
+          f"at p90, {free['peak_in_flight']:.0f} jobs held at most, "
+          f"{free['tokens_per_s']:.0f} tokens/s", flush=True)
+    for share in args.bound_shares:
+        bound = share * free["itl_p90_s"]
+        figures = one(f"latency-{share}", {**base, "MAX_INTER_TOKEN_LATENCY": f"{bound:.4f}"})
+        figures["bound_s"] = bound
+        out[str(share)] = figures
+        print(f"latency: MAX_INTER_TOKEN_LATENCY={bound:.4f}: vLLM's inter-token latency "
+              f"{1000 * figures['itl_p90_s']:.0f} ms at p90 ({figures['itl_p90_s'] / bound:.2f}"
+              f" x the bound), {figures['peak_in_flight']:.0f} jobs held at most, "
+              f"{figures['tokens_per_s']:.0f} tokens/s", flush=True)
+    print(f"\nthe latency bound ({args.jobs} chat jobs with no max_tokens; vLLM's inter-token "
+          "latency at p90 while jobs remain in the platform's queue):")
+    print(f"  {'bound ms':>9} {'ITL p90 ms':>11} {'/ bound':>8} {'held at most':>13} "
+          f"{'tokens/s':>9}")
+    for key, figures in out.items():
+        bound_ms = "none" if key == "none" else f"{1000 * figures['bound_s']:.0f}"
+        ratio = "" if key == "none" else f"{figures['itl_p90_s'] / figures['bound_s']:.2f}"
+        print(f"  {bound_ms:>9} {1000 * figures['itl_p90_s']:>11.0f} {ratio:>8} "
+              f"{figures['peak_in_flight']:>13.0f} {figures['tokens_per_s']:>9.0f}")
+    print("  goal: vLLM's inter-token latency at p90 at most 1.2 x the bound", flush=True)
+    return out
+
+
 def fleet(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     figures_file = scratch / "fleet.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fleet.py"),
@@ -462,7 +533,7 @@ def lb(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
 
 PARTS = {"open-chat": open_chat, "fitted": fitted, "saturation": saturation,
-         "small-kv": small_kv, "fleet": fleet, "lb": lb}
+         "small-kv": small_kv, "latency": latency, "fleet": fleet, "lb": lb}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                         "generation_config.json (more: shorter answers)")
     parser.add_argument("--lb-requests", type=int, default=512,
                         help="lb: requests sent at once")
+    parser.add_argument("--bound-shares", type=float, nargs="+", default=[0.5, 0.75],
+                        help="latency: each bound as a share of vLLM's latency without one")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
