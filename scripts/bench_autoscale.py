@@ -3,7 +3,7 @@
 costs and how long its jobs take.
 
     .venv/bin/python scripts/bench_autoscale.py [--quick] [--rows auto/qd4 30/qd4 ...]
-        [--json FILE]
+        [--procs 2] [--json FILE]
 
 Why: a worker takes what its vLLM can run (``MAX_CONCURRENCY`` auto), often hundreds of jobs.
 Whether that is cheaper depends on the platform: a worker that empties the queue leaves
@@ -50,7 +50,7 @@ at Runpod's flex price of an "H100 PRO" (80 GB), $0.00116 a second
 (docs.runpod.io/serverless/pricing).
 
 **The day** (:func:`day_of_traffic`, seeded): 24 hours of :data:`HOUR` virtual seconds each
-(``--quick``: 60), quiet hours at a tenth of the day's rate, a ramp in the morning, the day at
+(``--quick``: 36), quiet hours at a tenth of the day's rate, a ramp in the morning, the day at
 :data:`DAY_RATE` jobs a second, four bursts of 10x the hour's rate for 0.3 of an hour. Each
 job is a chat job: a prompt of 20 to 4,000 tokens (log-normal, median 400), an answer that
 ends on its own after a geometric length of mean 250 tokens; 80 % set no ``max_tokens``, the
@@ -62,8 +62,9 @@ for auto: its log's "taking up to 1,024 jobs at once"); then auto with three
 ``MAX_INTER_TOKEN_LATENCY`` bounds under the advised scaler. Per row: GPU-seconds billed,
 cost per million output tokens, a job's latency from its arrival in the queue to its last
 token (p50 / p90 / p99), its time to first token (p90, from its arrival too), its wait in the
-queue (p90), vLLM's inter-token latency (p90 over every engine, from its histogram), workers
-started and at most at once, and the CPU the row took here. The goal printed: auto, with its
+queue (p90), vLLM's inter-token latency (p90 of every token of every engine: its step's
+length), workers started and at most at once, and the CPU the row took here (``--procs``
+rows at once, a process each). The goal printed: auto, with its
 defaults, at most 0.7x the GPU-seconds of a fixed 30 with a p90 latency at most 1.2x the
 fixed 30's, under the advised scaler. Nothing is asserted; the exit code is 1 when a job was
 left undone.
@@ -72,6 +73,8 @@ left undone.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import json
 import math
 import random
@@ -97,9 +100,9 @@ H100_8B = EngineConfig(max_num_seqs=1024, max_model_len=8192, kv_tokens=450_000,
 COLD_START = 60.0
 PRICE_PER_SECOND = 0.00116  # Runpod serverless, H100 PRO 80 GB, flex
 MAX_WORKERS = 10
-HOUR = 300.0
-QUICK_HOUR = 60.0
-DAY_RATE = 6.0  # jobs a second in the day's busy hours
+HOUR = 180.0
+QUICK_HOUR = 36.0
+DAY_RATE = 20.0  # jobs a second in the day's busy hours
 #: Each hour's share of the day's rate: quiet night, a morning ramp, the day, the evening.
 HOURLY = (0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0,
           1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.15, 0.1)
@@ -110,7 +113,7 @@ ANSWER_MEAN = 250.0
 #: The goal: auto's GPU-seconds and p90 latency against a fixed 30's, same scaler.
 GOAL_COST, GOAL_P90 = 0.7, 1.2
 ADVISED = Scaler(QUEUE_DELAY, 4.0)
-BOUNDS = (0.015, 0.025, 0.04)
+BOUNDS = (0.01, 0.015, 0.02)
 
 
 def rate_at(t: float, hour: float) -> float:
@@ -166,13 +169,14 @@ def rows() -> list[Row]:
     return table + [Row(None, ADVISED, bound) for bound in BOUNDS]
 
 
-def run_row(row: Row, arrivals: list[Arrival]) -> tuple[Outcome, float]:
+def run_row(row: Row, arrivals: list[Arrival],
+            max_workers: int = MAX_WORKERS) -> tuple[Outcome, float]:
     config = FleetConfig(row.scaler, row.setting, LatencyBound(inter_token=row.bound),
-                         H100_8B, MAX_WORKERS, cold_start=COLD_START,
+                         H100_8B, max_workers, cold_start=COLD_START,
                          price_per_second=PRICE_PER_SECOND)
     began = time.process_time()
     outcome = simulate(config, arrivals)
-    return outcome, time.process_time() - began
+    return dataclasses.replace(outcome, sim_jobs=[]), time.process_time() - began
 
 
 HEADER = ("| MAX_CONCURRENCY | scaler | GPU-s | $ / M tokens | latency p50 / p90 / p99 (s) | "
@@ -210,6 +214,9 @@ def main() -> int:
                         help=f"hours of {QUICK_HOUR:g} virtual seconds, not {HOUR:g}")
     parser.add_argument("--rows", nargs="+", help="only these rows (names as printed)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--procs", type=int, default=2, help="rows run at once, a process each")
+    parser.add_argument("--max-workers", type=int, default=MAX_WORKERS,
+                        help="the endpoint's max workers")
     args = parser.parse_args()
     hour = QUICK_HOUR if args.quick else HOUR
     arrivals = day_of_traffic(hour)
@@ -218,17 +225,20 @@ def main() -> int:
           f"seconds ({answers:,} answer tokens); a step of {1000 * curve_step(STEP_CURVE, 1):.1f}"
           f" ms at 1 sequence, {1000 * curve_step(STEP_CURVE, 256):.1f} ms at 256, "
           f"{1000 * curve_step(STEP_CURVE, 1024):.1f} ms at 1,024; cold start {COLD_START:g} s, "
-          f"max {MAX_WORKERS} workers, ${PRICE_PER_SECOND}/s", flush=True)
+          f"max {args.max_workers} workers, ${PRICE_PER_SECOND}/s", flush=True)
     chosen = [row for row in rows() if not args.rows or row.name in args.rows]
     results: dict[str, Outcome] = {}
-    lines, undone = [], 0
-    for row in chosen:
-        outcome, cpu = run_row(row, arrivals)
-        results[row.name] = outcome
-        undone += outcome.jobs - outcome.done
-        lines.append(table_line(row, outcome))
-        print(f"{row.name:>20}: {lines[-1]}  ({cpu:.0f} s CPU)", flush=True)
-    print("\n" + HEADER + "\n|" + "---|" * (HEADER.count("|") - 1) + "\n" + "\n".join(lines))
+    lines, undone = {}, 0
+    with concurrent.futures.ProcessPoolExecutor(args.procs) as pool:
+        runs = {pool.submit(run_row, row, arrivals, args.max_workers): row for row in chosen}
+        for done in concurrent.futures.as_completed(runs):
+            row, (outcome, cpu) = runs[done], done.result()
+            results[row.name] = outcome
+            undone += outcome.jobs - outcome.done
+            lines[row.name] = table_line(row, outcome)
+            print(f"{row.name:>20}: {lines[row.name]}  ({cpu:.0f} s CPU)", flush=True)
+    print("\n" + HEADER + "\n|" + "---|" * (HEADER.count("|") - 1) + "\n"
+          + "\n".join(lines[row.name] for row in chosen))
     for scaler in (ADVISED, Scaler(QUEUE_DELAY, 2)):
         print(goal(results, scaler))
     if args.json is not None:
