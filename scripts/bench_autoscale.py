@@ -3,7 +3,7 @@
 costs and how long its jobs take.
 
     .venv/bin/python scripts/bench_autoscale.py [--quick] [--rows auto/qd4 30/qd4 ...]
-        [--procs 2] [--json FILE]
+        [--procs 2] [--max-workers 10] [--json FILE]
 
 Why: a worker takes what its vLLM can run (``MAX_CONCURRENCY`` auto), often hundreds of jobs.
 Whether that is cheaper depends on the platform: a worker that empties the queue leaves

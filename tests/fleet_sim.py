@@ -13,8 +13,10 @@ What is real and what stands in:
   does), adds an :class:`tests.capacity_vllm.EngineRequest` to the worker's engine and waits
   for its last token (its first token's time kept too);
 * **each vLLM** is the stand-in's :class:`tests.capacity_vllm.Engine`: vLLM's scheduler
-  modelled (its running batch, KV cache, preemptions, answers that end on their own, its
-  histograms), its step's length from :class:`tests.capacity_vllm.EngineConfig`;
+  modelled (its running batch, KV cache, preemptions, its histograms), its step's length
+  from :class:`tests.capacity_vllm.EngineConfig`, its steps driven by the loop's timers
+  (:class:`_SteppedEngine`); each job's answer ends where the job says (its
+  ``answer_tokens``, drawn with the traffic, so that every fleet runs the same answers);
 * **the platform**: one FIFO queue, the scaler of tests/runpod_scalers.py looked at every
   second, max workers, a cold start of a fixed length (a worker takes jobs that long after the
   platform starts it), the idle timeout (queue delay: a worker with no job for that long
