@@ -76,7 +76,7 @@ def table_rows(text: str, header: str, *, every: bool = False) -> list[list[str]
 
 #: A test or script a page names: in inline code (`tests/test_x.py::test_y`) or in an HTML
 #: comment beside a claim (<!-- tests/test_x.py::test_y -->), where a reader does not trip on it.
-_REFERENCE = re.compile(r"((?:tests|scripts)/[\w/]+\.py)(?:::(\w+))?")
+_REFERENCE = re.compile(r"((?:tests|scripts|benchmarks|tools)/[\w/]+\.py)(?:::(\w+))?")
 
 
 def references(text: str) -> list[tuple[str, str | None]]:

@@ -167,7 +167,7 @@ class FakeJobApi:
         self.faults: dict[str, JobFaults] = {}
         self.refusals: list[tuple[float, float]] = []  # (start, end) of each listener outage
         # Called with (kind, job id, parsed body) for each recorded job-stream and job-done
-        # POST, in the server's thread, after the record is updated (scripts/bench_queue.py's
+        # POST, in the server's thread, after the record is updated (benchmarks/bench_queue.py's
         # stand-in of the platform's client routes relays them from there).
         self.on_post: Callable[[str, str, Any], None] | None = None
         self._cond = threading.Condition()

@@ -16,7 +16,7 @@ takes it with the real runpod SDK, and
 A failed job is answered 500 with its error (before a stream began) or ends the stream with
 an SSE event carrying it. So ``vllm bench serve`` (vLLM's own client) or the ``openai``
 package can be pointed at the worker as at the platform (``base_url`` =
-:attr:`FakePlatform.openai_url`), which is what ``scripts/bench_queue.py`` does.
+:attr:`FakePlatform.openai_url`), which is what ``benchmarks/bench_queue.py`` does.
 
 The queue routes too, under :attr:`FakePlatform.base_url` (what the ``requests_*`` examples
 call ``BASE_URL``): ``POST /run`` queues ``{"input": ...}`` and answers its id,

@@ -1,5 +1,5 @@
 """The Python side of the image test bed: builds, containers and exports through the builders
-of ``scripts/make_base_image.py`` (Debian's buildah, chrooted; see its docstring): trixie's
+of ``tools/make_base_image.py`` (Debian's buildah, chrooted; see its docstring): trixie's
 for everything, bookworm's for builds with the older parser."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from tests.conftest import load_script
 from tests.worker_process import CONTAINERS, ROOT, WorkerProcess
 
-BED_SCRIPT = ROOT / "scripts" / "make_base_image.py"
+BED_SCRIPT = ROOT / "tools" / "make_base_image.py"
 #: Where a container finds the environment the test gives it (a file, never argv).
 ENV_DIR_IN_CONTAINER = "/run/worker-test"
 

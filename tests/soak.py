@@ -23,7 +23,7 @@ its stats hook (:mod:`worker.jobs.stats`: live asyncio tasks, Python memory bloc
 leak shows as a slope and a drift as a difference between the first and the last tenth.
 
 The plans are :mod:`tests.soak_plans`, the checks :mod:`tests.soak_checks`; this module runs
-the soak, samples the worker and prints the figures. ``scripts/soak.py`` runs the full soak;
+the soak, samples the worker and prints the figures. ``tools/soak.py`` runs the full soak;
 ``tests/test_soak.py`` a shortened one with bounds.
 """
 
@@ -386,7 +386,7 @@ def latency(run: SoakRun, phase: int) -> tuple[float, float, int]:
 
 
 def figures(run: SoakRun) -> str:
-    """The soak's figures, as printed by scripts/soak.py and the test."""
+    """The soak's figures, as printed by tools/soak.py and the test."""
     tally = run.tally
     lines = [f"== soak against the {run.name}: {len(run.plans)} jobs "
              f"({run.baseline.jobs} warm-up) in {run.seconds:.0f} s"]

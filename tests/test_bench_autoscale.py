@@ -1,4 +1,4 @@
-"""The fleet simulation of scripts/bench_autoscale.py: Runpod's scalers' decisions
+"""The fleet simulation of benchmarks/bench_autoscale.py: Runpod's scalers' decisions
 (tests/runpod_scalers.py) table-tested, the virtual clock (tests/virtual_clock.py), the
 stand-in's step curve, and short runs of a fleet (tests/fleet_sim.py) asserting the order of
 its events and its counts, all on the virtual clock: nothing here reads the wall clock."""

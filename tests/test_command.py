@@ -760,7 +760,7 @@ def test_real_catalog_collisions_are_all_decided(real: FlagCatalog) -> None:
 
 def test_build_command_imports_nothing_but_the_standard_library() -> None:
     """In a fresh interpreter: import, load the packaged catalog, build; vLLM, and every other
-    package, stays out (what keeps it quick: scripts/bench_coldstart.py --command times it)."""
+    package, stays out (what keeps it quick: benchmarks/bench_coldstart.py --command times it)."""
     script = textwrap.dedent(
         """
         import json, sys

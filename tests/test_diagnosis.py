@@ -33,7 +33,7 @@ def fixture(name: str, replace: Mapping[str, str] | None = None, *,
             version: str | None = None) -> tuple[str, ...]:
     """The log's tail as the worker keeps it: an assembled log (the folder's top), or one
     captured from the vLLM ``version``; below the header of ``#`` lines that says how a log was
-    captured (scripts/capture_failure_logs.py and capture_hub_failures.py write one), which is
+    captured (tools/capture_failure_logs.py and capture_hub_failures.py write one), which is
     not vLLM's."""
     folder = FAILURE_LOGS if version is None else FAILURE_LOGS / version
     text = (folder / name).read_text(encoding="utf-8")

@@ -375,7 +375,7 @@ def _dump_step(source: Path, out: Path, python: str, *, extra_path: Path | None 
 # Makes the CPU wheel find no device, as the official CUDA image does on a builder without a
 # GPU: vLLM's version does not say "cpu" and no CUDA device answers. Only vLLM's device
 # inference is patched (vllm.platforms): what is dumped is the CPU wheel's parser, the Python
-# code both builds share (a CUDA wheel's own: scripts/dump_catalogs.py, for 0.33.0).
+# code both builds share (a CUDA wheel's own: tools/dump_catalogs.py, for 0.33.0).
 _NO_DEVICE_FOUND = """
 import vllm.platforms as platforms
 platforms.vllm_version_matches_substr = lambda substr: False

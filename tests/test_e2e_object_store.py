@@ -12,7 +12,7 @@ the configs with boto3 and streams the safetensors with the Run:ai Model Streame
 The failures (no such bucket, keys refused, an empty prefix, no safetensors, the streamer
 missing, a store that does not answer) are diagnosed from their real logs in
 tests/test_diagnosis.py (tests/data/failure_logs/0.32.0/object_store_*.log, captured from
-this vLLM by scripts/capture_failure_logs.py); what the start does then (a job told the cause;
+this vLLM by tools/capture_failure_logs.py); what the start does then (a job told the cause;
 one more start of a store that did not answer, then ``prestart_failed``) is the start
 policy's (tests/test_policy.py), and a failed start's answer to jobs is the same for every
 cause (tests/test_e2e_failures.py).

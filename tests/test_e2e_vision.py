@@ -1,5 +1,5 @@
 """Images in chat messages on the real CPU vLLM: a tiny random vision-language model (SmolVLM's
-architecture, scripts/make_tiny_vlm.py), PNGs made here.
+architecture, tools/make_tiny_vlm.py), PNGs made here.
 
 One queue worker serves the module (``python -m worker`` under the real SDK loop, against the
 fake job API) with ``LIMIT_MM_PER_PROMPT`` of two images, as docs/images.md sets it. An image

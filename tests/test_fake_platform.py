@@ -1,5 +1,5 @@
 """The stand-in of the platform's client routes (tests/fake_platform.py), which
-scripts/bench_queue.py points vLLM's own client at: a request becomes the job the platform
+benchmarks/bench_queue.py points vLLM's own client at: a request becomes the job the platform
 makes, each stream POST reaches the client in order as it arrives, job-done ends it.
 
 The worker's side is played here over plain HTTP against the fake job API, as the SDK calls it.

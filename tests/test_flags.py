@@ -215,7 +215,7 @@ def dump_with(python: str, tmp_path: Path) -> FlagCatalog:
 def test_dump_with_vllm(vllm_python: str, tmp_path: Path) -> None:
     catalog = dump_with(vllm_python, tmp_path)
     # The packaged catalog of the default vLLM is this very dump: regenerate it when vLLM
-    # changes (scripts/dump_catalogs.py).
+    # changes (tools/dump_catalogs.py).
     assert catalog.version.split("+")[0] == flags.PACKAGED_VERSION
     assert catalog == FlagCatalog.load(packaged_catalog_path())
 

@@ -2,7 +2,7 @@
 with Debian's ``python3`` alone, to the first answered job.
 
 The machine is a copy of a root filesystem made by the image tests' debootstrap
-(``scripts/make_base_image.py``'s :func:`fresh_rootfs`: ``--variant=minbase --include=python3``,
+(``tools/make_base_image.py``'s :func:`fresh_rootfs`: ``--variant=minbase --include=python3``,
 once per machine), entered with ``chroot`` in a private mount namespace. This checkout's files
 (tracked, and untracked ones git does not ignore: what a clone has) are copied into it. What it
 gets of this machine is only what any machine gets from the network: Debian's mirror (through
@@ -35,7 +35,7 @@ from tests.worker_process import FRESH_MACHINE, ROOT, WorkerProcess, wait_until
 
 pytestmark = [pytest.mark.image, pytest.mark.fresh_machine, pytest.mark.timeout(2400)]
 
-BED = load_script(ROOT / "scripts" / "make_base_image.py")
+BED = load_script(ROOT / "tools" / "make_base_image.py")
 INSIDE = Path("/work/worker-vllm")
 HOST_CA = Path("/etc/host-ca-bundle.crt")
 

@@ -357,7 +357,7 @@ def test_a_non_loopback_backend_is_refused() -> None:
 # The backend sends HELD events, then holds its stream (no event, no end) until the test
 # releases it: what a relay yields meanwhile was flushed by the delay, as no batch of 50 can
 # fill and the stream cannot end. The figures (the largest gap between yields at a reader's
-# pace, with and without the delay) are scripts/bench_proxy.py's section 6.
+# pace, with and without the delay) are benchmarks/bench_proxy.py's section 6.
 HELD = 5
 FULL = 50  # every batch's target: min_batch_size = max_batch_size = 50
 # How long the backend keeps holding, once held, where nothing should come: past the 0.2 s

@@ -1,6 +1,6 @@
 """The image, built and run for real: every deploy option as a container (marked ``image``).
 
-No Docker engine, GPU or Docker Hub here. ``scripts/make_base_image.py`` makes a stand-in of
+No Docker engine, GPU or Docker Hub here. ``tools/make_base_image.py`` makes a stand-in of
 the official vLLM image from packages (its docstring lists how it differs from the real one)
 and builders (Debian 13's buildah 1.39, Debian 12's 1.28); the Dockerfile is built unchanged
 on top of it, for Option 1 and for

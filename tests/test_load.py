@@ -161,7 +161,7 @@ def test_64_concurrent_streams_are_byte_exact_and_in_order(serving: FakeServing)
     for record, job_input in zip(records, inputs, strict=True):
         assert_byte_exact(record, events_of(job_input))
     posts = sum(len(r.stream) for r in records)
-    # Their time: scripts/bench_load.py --jobs 64 (jobs/s, job latency).
+    # Their time: benchmarks/bench_load.py --jobs 64 (jobs/s, job latency).
     print(f"64 streams: {posts} stream posts")
     assert peak_in_flight(records) == CONCURRENCY
     assert serving.dropped_posts() == serving.baseline

@@ -134,9 +134,9 @@ def test_the_threshold_is_a_setting() -> None:
 
 
 def test_the_queue_benchmark_reads_the_watchs_own_words() -> None:
-    """scripts/bench_queue.py counts the stalls from the worker's log: its reading of the
+    """benchmarks/bench_queue.py counts the stalls from the worker's log: its reading of the
     lines :func:`describe` and the stop's summary write."""
-    bench = load_script(ROOT / "scripts" / "bench_queue.py")
+    bench = load_script(ROOT / "benchmarks" / "bench_queue.py")
     lines = [describe(Stall(0.3, 0.01, 0.35, "")),
              describe(Stall(0.2, 0.19, 0.25, "jobs/relay.py:78 _read"), Unreported(3, 0.9)),
              "the event loop: " + more_stalls(Unreported(2, 0.15))]

@@ -46,7 +46,7 @@ def test_dry_run_prints_the_command_and_where_each_flag_came_from() -> None:
     assert "hf_secretvalue123" not in result.stdout + result.stderr
     assert "env MAX_MODEL_LEN" in result.stderr and "VLLM_EXTRA_ARGS" in result.stderr
     assert "SWAP_SPACE" in result.stderr  # the retired flag's warning
-    # Its time in a fresh interpreter: scripts/bench_coldstart.py --command.
+    # Its time in a fresh interpreter: benchmarks/bench_coldstart.py --command.
 
 
 def test_dry_run_names_the_flag_a_typo_probably_meant() -> None:

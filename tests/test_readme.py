@@ -1,7 +1,7 @@
 """The README and docs/ agree with the code, and every command they show is exercised somewhere.
 
 * The generated tables of docs/configuration.md (the worker's settings and those of the image,
-  earlier names, reserved flags, retired names) are what ``scripts/gen_docs.py`` makes of the
+  earlier names, reserved flags, retired names) are what ``tools/gen_docs.py`` makes of the
   code today.
 * The dry-run example prints exactly the output shown.
 * Every error type, every error example and every start-up cause matches the code.
@@ -33,7 +33,7 @@ from worker.errors import WorkerError, WorkerStopping
 from worker.start.diagnosis.rules import RULES
 
 ROOT = docs.ROOT
-GEN_DOCS = ROOT / "scripts" / "gen_docs.py"
+GEN_DOCS = ROOT / "tools" / "gen_docs.py"
 
 EXAMPLES_TEST = "tests/test_examples.py"
 IMAGE_TEST = "tests/test_image.py"
@@ -111,7 +111,7 @@ COVERAGE: dict[str, str] = {
         f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_the_local_run",
     "BASE_URL=http://127.0.0.1:8000/openai/v1 python examples/anthropic_messages.py":
         f"{EXAMPLES_TEST}::test_openai_and_anthropic_examples_against_the_local_run",
-    "python scripts/gen_docs.py": f"{README_TEST}::test_generated_tables_are_current",
+    "python tools/gen_docs.py": f"{README_TEST}::test_generated_tables_are_current",
     # The load balancer's address is the platform's: the same call goes to the worker's PORT.
     "curl -s https://$RUNPOD_ENDPOINT_ID.api.runpod.ai/v1/chat/completions -H \"Authorization: "
     "Bearer $RUNPOD_API_KEY\" -H 'Content-Type: application/json' -d '{\"model\": "
@@ -127,8 +127,8 @@ COVERAGE: dict[str, str] = {
     "MODEL_NAME=Qwen/Qwen3-0.6B .venv/bin/python -m worker --test_input '{\"input\": "
     "{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8}}}'":
         "tests/test_main.py::test_the_docs_test_input_command_answers_on_the_real_vllm",
-    "python scripts/gen_docs.py --check": f"{README_TEST}::test_gen_docs_check_passes",
-    ".venv/bin/python scripts/soak.py":
+    "python tools/gen_docs.py --check": f"{README_TEST}::test_gen_docs_check_passes",
+    ".venv/bin/python tools/soak.py":
         f"{SOAK_TEST}::test_the_soak_script_prints_and_writes_the_figures",
     ".venv/bin/python -m pytest -m soak": f"{SOAK_TEST}::test_soak_against_the_stand_in_vllm",
 }
@@ -174,7 +174,7 @@ ERRORS = "errors.md"
 def test_generated_tables_are_current(page: str) -> None:
     module = load_gen_docs()
     text = docs.page(page)
-    assert module.render(text, module.PAGES[page], page) == text, "run: python scripts/gen_docs.py"
+    assert module.render(text, module.PAGES[page], page) == text, "run: python tools/gen_docs.py"
 
 
 def test_gen_docs_check_passes() -> None:

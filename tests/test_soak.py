@@ -1,5 +1,5 @@
 """The shortened soak: mixed traffic and faults through the REAL SDK loop, with nothing leaked
-and nothing lost but what the SDK's rules lose (tests/soak.py runs it; scripts/soak.py is the
+and nothing lost but what the SDK's rules lose (tests/soak.py runs it; tools/soak.py is the
 full soak, with 20,000 jobs).
 
 Each test checks every job against its plan (one documented end state, stream bytes equal to
@@ -57,7 +57,7 @@ def assert_nothing_leaked_nor_drifted(run: SoakRun) -> None:
     # ones, where a job that left even one dict behind would add tens.
     assert final.rss_mb - first_half < 3.0, (first_half, final.rss_mb)
     assert final.blocks - base.blocks < 15 * len(run.plans), (base.blocks, final.blocks)
-    # Drift of CPU or of latency is a figure (tests/soak.py figures(), scripts/soak.py), not a
+    # Drift of CPU or of latency is a figure (tests/soak.py figures(), tools/soak.py), not a
     # check: both are times, which a machine that stands still for seconds moves.
 
 
@@ -103,10 +103,10 @@ def test_the_soak_script_prints_and_writes_the_figures(
     stand_in_run: SoakRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """scripts/soak.py --part fake: its arguments reach the soak (tests/soak.py's
+    """tools/soak.py --part fake: its arguments reach the soak (tests/soak.py's
     run_fake_soak, which the test above runs), and it prints the run's figures, writes them as
     JSON and exits 0. The soak it would run is the stand-in run above, handed back to it."""
-    script = load_script(ROOT / "scripts" / "soak.py")
+    script = load_script(ROOT / "tools" / "soak.py")
     asked: list[dict[str, Any]] = []
 
     def soak(tmp: Path, **settings: Any) -> SoakRun:

@@ -34,7 +34,7 @@ def user_pages() -> list[Path]:
 
 
 #: The project's packages: any dotted name under them is code.
-_PACKAGES = frozenset({"worker", "plugin", "tests", "scripts"})
+_PACKAGES = frozenset({"worker", "plugin", "tests", "scripts", "benchmarks", "tools"})
 
 
 @functools.cache
@@ -77,7 +77,8 @@ def _is_code_name(first: str, rest: list[str]) -> bool:
 def internals(text: str) -> list[str]:
     """Each thing of ``text`` a user page must not hold, as ``what: text``."""
     found = []
-    for match in re.finditer(r"(?<![\w/.-])(?:worker|plugin|tests|scripts)/[\w./-]*\w", text):
+    paths = r"(?<![\w/.-])(?:worker|plugin|tests|scripts|benchmarks|tools)/[\w./-]*\w"
+    for match in re.finditer(paths, text):
         if match[0].startswith("scripts/") and match[0].split("/")[-1] in USER_SCRIPTS:
             continue
         found.append(f"source path: {match[0]}")
@@ -110,7 +111,7 @@ def test_no_user_page_is_over_250_lines() -> None:
 @pytest.mark.parametrize(("text", "what"), [
     ("the loop (`worker/jobs/jobloop.py`) posts", "source path: worker/jobs/jobloop.py"),
     ("see tests/test_stop.py::test_x", "source path: tests/test_stop.py"),
-    ("run `scripts/bench_queue.py`", "source path: scripts/bench_queue.py"),
+    ("run `benchmarks/bench_queue.py`", "source path: benchmarks/bench_queue.py"),
     ("listed in `worker.config.names.FOREIGN_PREFIXES`",
      "code name: worker.config.names.FOREIGN_PREFIXES"),
     ("the SDK's `rp_http._transmit` retries", "code name: rp_http._transmit"),

@@ -1,11 +1,11 @@
 """The tiny random models and the environment of a worker serving one on the CPU vLLM.
 
 Shared by the test fixtures (tests/conftest.py) and the scripts that start a real vLLM
-outside pytest (scripts/soak.py), so that both serve the very same model and settings. The
+outside pytest (tools/soak.py), so that both serve the very same model and settings. The
 tiny Llama serves the text routes; the tiny Whisper the speech-to-text ones, which take the
 one-second WAV made here; the tiny vision-language model the images in chat messages, which
 take the PNGs made here; LoRA adapters of the tiny Llama as PEFT saves them
-(:func:`lora_files`) serve the adapter tests and scripts/bench_adapters.py.
+(:func:`lora_files`) serve the adapter tests and benchmarks/bench_adapters.py.
 """
 
 from __future__ import annotations
@@ -34,28 +34,29 @@ CACHE = ROOT / ".cache"
 def build_tiny_model(vllm_python: str) -> Path:
     """The tiny random Llama (and its LoRA adapter, ``lora/``), built once per version of
     its script and cached."""
-    return _built(vllm_python, "tiny-model", ["make_tiny_model.py"],
+    return _built(vllm_python, "tiny-model", ["scripts/make_tiny_model.py"],
                   lambda out: ["--lora", str(out / "lora")])
 
 
 def build_tiny_whisper(vllm_python: str) -> Path:
     """The tiny random Whisper, built once per version of its script (and of the tiny Llama's,
     whose corpus its tokenizer is trained on) and cached."""
-    return _built(vllm_python, "tiny-whisper", ["make_tiny_whisper.py", "make_tiny_model.py"])
+    return _built(vllm_python, "tiny-whisper",
+                  ["tools/make_tiny_whisper.py", "scripts/make_tiny_model.py"])
 
 
 def build_tiny_vlm(vllm_python: str) -> Path:
     """The tiny random vision-language model (images in chat messages), built once per version
     of its script (and of the tiny Llama's, whose language model and tokenizer it has) and
     cached."""
-    return _built(vllm_python, "tiny-vlm", ["make_tiny_vlm.py", "make_tiny_model.py"])
+    return _built(vllm_python, "tiny-vlm", ["tools/make_tiny_vlm.py", "scripts/make_tiny_model.py"])
 
 
 def _built(vllm_python: str, name: str, scripts: list[str],
            more_args: Callable[[Path], list[str]] = lambda out: []) -> Path:
     """The folder that ``scripts[0]`` writes (given the folder and ``more_args`` of it),
     cached under .cache/ by a digest of ``scripts``."""
-    paths = [ROOT / "scripts" / script for script in scripts]
+    paths = [ROOT / script for script in scripts]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in paths)).hexdigest()[:12]
     out = CACHE / f"{name}-{digest}"
     if not (out / "config.json").exists():
@@ -105,7 +106,7 @@ def tiny_env(vllm_executable: str, model: Path, scratch: dict[str, str]) -> dict
 
 
 def script_env(scratch: Path, or_else: str = "") -> dict[str, str]:
-    """The tiny model's worker environment for a script (scripts/soak.py, bench_queue.py), as
+    """The tiny model's worker environment for a script (tools/soak.py, bench_queue.py), as
     the tests give it, with its caches under ``scratch``; the CPU vLLM from VLLM_EXECUTABLE
     or .venv-vllm."""
     executable = os.environ.get("VLLM_EXECUTABLE") or str(ROOT / ".venv-vllm" / "bin" / "vllm")

@@ -1,6 +1,6 @@
 """An asyncio event loop on a virtual clock: when nothing is ready, time jumps to the next timer.
 
-A simulation that does no real I/O (scripts/bench_autoscale.py: a fleet of workers, each over a
+A simulation that does no real I/O (benchmarks/bench_autoscale.py: a fleet of workers, each over a
 stand-in vLLM, for a day of traffic) spends nearly all its time waiting on timers: a vLLM
 step, a read of /metrics, a cold start, an idle timeout. On this loop those waits cost nothing:
 :meth:`VirtualClockLoop.time` is a number that only moves when the loop would otherwise sleep,
@@ -18,7 +18,7 @@ than a hang.
 ``looptime`` (PyPI, 0.9) does the same for tests; its loop turns 42 times without work before
 every jump of the clock by default (``noop_cycles``, a guard for timeouts set in the same
 turn), keeps its time in integers of a chosen resolution, and would be a new dependency; see
-scripts/bench_autoscale.py's docstring for what was measured.
+benchmarks/bench_autoscale.py's docstring for what was measured.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ RETIRED_FIELDS: Mapping[str, str] = {
 
 #: The table of ``sampling_params`` that Runpod's guide and the reference worker document, in
 #: its order, with what vLLM does with each one it still reads (docs/jobs.md is made of it,
-#: with each field's fate in the running vLLM: scripts/gen_docs.py).
+#: with each field's fate in the running vLLM: tools/gen_docs.py).
 DOCUMENTED_SAMPLING_PARAMS: Mapping[str, str] = {
     "n": "How many answers (choices) to return for the prompt.",
     "best_of": "Generates best_of candidates and returns the n likeliest.",

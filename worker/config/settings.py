@@ -3,7 +3,7 @@
 These are the knobs of the worker itself (ports, concurrency, timeouts, stream batching).
 Everything else in the environment that names a `vllm serve` flag is vLLM's business and is
 translated by :mod:`worker.config.command`. The table :data:`SETTINGS` is the single source of
-truth: the parser, the settings tables of docs/configuration.md (scripts/gen_docs.py) and the
+truth: the parser, the settings tables of docs/configuration.md (tools/gen_docs.py) and the
 command translator (which must never turn these names into flags) all read it.
 """
 
@@ -329,7 +329,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKER_TIMELINE_FILE", "timeline_file", "", _text,
             "A file the job loop appends one JSON line to per job: when it was taken, its "
             "request sent to vLLM, vLLM's first event, its first yield posted, its end "
-            "(for scripts/bench_queue.py).",
+            "(for benchmarks/bench_queue.py).",
             shown_default="off", internal=True),
 )
 

@@ -27,7 +27,7 @@ __all__ = ["INTERVAL", "Metrics", "load_words", "read_figures"]
 logger = logging.getLogger("worker.capacity")
 
 #: Seconds between two reads of vLLM's /metrics while jobs are held: a few of vLLM's steps,
-#: and one small request to its API server (tests/test_pacer.py, scripts/bench_capacity.py).
+#: and one small request to its API server (tests/test_pacer.py, benchmarks/bench_capacity.py).
 INTERVAL = 0.5
 
 Metrics = Callable[[], Awaitable[str | None]]

@@ -4,7 +4,7 @@ The runpod SDK (1.12) sends every job-stream and job-done POST through
 ``aiohttp_retry.FibonacciRetry(attempts=3)``, which retries a 5xx answer and nothing else:
 a POST whose connection could not even be opened (refused, unreachable, DNS) is dropped at
 once, and with it a piece of the stream or the job's whole result; its job-take loop spins
-without a pause on the same error. The soak (scripts/soak.py, tests/test_soak.py) measured
+without a pause on the same error. The soak (tools/soak.py, tests/test_soak.py) measured
 it: a job API refusing connections for 0.5 s lost the results of the jobs that finished
 meanwhile.
 

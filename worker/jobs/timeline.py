@@ -16,7 +16,7 @@ has only ``taken`` and ``ended``):
 * ``first_posted``: the first yield was posted to the job API (the SDK asked for the next).
 
 So ``first_event - sent`` is vLLM's own time to the first token for this request, and the rest
-of a take → first POST is the worker's and the platform's: what ``scripts/bench_queue.py``
+of a take → first POST is the worker's and the platform's: what ``benchmarks/bench_queue.py``
 reports as the worker's share, request by request. Off (unset), nothing is recorded: each mark
 is one look at a context variable that holds nothing.
 """

@@ -7,7 +7,7 @@ worker's session: a session of its own is a scheduling group of its own wherever
 autogroup is on (``/proc/sys/kernel/sched_autogroup_enabled``, for processes outside a
 container's cgroup), and there vLLM's busy CPU threads held the worker's event loop off the
 CPUs for up to 1.7 s at a time, long enough for a job's whole stream to go out in one POST
-(issue 41: ``scripts/bisect_queue.py`` measured it, docs/development.md has the figures).
+(issue 41: ``benchmarks/bisect_queue.py`` measured it, docs/development.md has the figures).
 In one session the kernel shares the CPUs between the worker's threads and vLLM's as it
 does inside a container, where the worker runs on Runpod. Output is read
 by a thread (so it keeps flowing whatever event loop runs, or none), echoed with secrets

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Capture vLLM's own log of the Hub failures a start can meet, from the real CPU vLLM.
 
-    flock /tmp/vllm.lock .venv/bin/python scripts/capture_hub_failures.py [--vllm PATH] [OUT_DIR]
+    flock /tmp/vllm.lock .venv/bin/python tools/capture_hub_failures.py [--vllm PATH] [OUT_DIR]
 
 Runs bare ``vllm serve`` (the CPU vLLM at ``--vllm``, else ``VLLM_EXECUTABLE``, else
 ``.venv-vllm``: not the worker, whose Hub pre-flight would answer these before vLLM starts)

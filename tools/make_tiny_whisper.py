@@ -2,7 +2,7 @@
 # mypy: disable-error-code="no-untyped-call"
 """Build a tiny random-weight Whisper model folder that the real `vllm serve` can load.
 
-    python scripts/make_tiny_whisper.py OUT_DIR [--seed N]
+    python tools/make_tiny_whisper.py OUT_DIR [--seed N]
 
 Why: the speech-to-text tests must serve vLLM's ``/v1/audio/transcriptions`` on a CPU-only
 machine that cannot reach the Hugging Face hub. Like ``make_tiny_model.py`` (the tiny Llama),
@@ -34,13 +34,10 @@ What it writes (the layout of a Hugging Face Whisper checkpoint):
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
-from make_tiny_model import (  # beside this script: the tiny Llama's corpus, one for both
-    CORPUS,
-    builder_cli,
-)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
@@ -51,6 +48,14 @@ from transformers import (
     WhisperTokenizer,
 )
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+# The tiny Llama's script stays beside the scripts a user runs (scripts/run_local.sh builds
+# its model): the tiny Llama's corpus, one for both.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_tiny_model import (
+    CORPUS,
+    builder_cli,
+)
 
 EOT = "<|endoftext|>"
 SOT = "<|startoftranscript|>"

@@ -2,7 +2,7 @@
 """The queue path and the load balancer measured with vLLM's own client, beside the same
 client straight to vLLM.
 
-    .venv/bin/python scripts/bench_queue.py [--prompts 160] [--concurrency 8 32]
+    .venv/bin/python benchmarks/bench_queue.py [--prompts 160] [--concurrency 8 32]
         [--rounds 3] [--input-len 64] [--output-len 64] [--part queue|lb|both]
         [--engine multiprocessing in-process] [--worker-tree PATH] [--json FIGURES.json]
 
@@ -21,7 +21,7 @@ own vLLM): the client straight to vLLM, then to the worker's port. Each part run
 ``--engine``: vLLM's default multiprocessing (the engine core in a process of its own, busy
 on a CPU while it serves: how the endpoints run it), then the engine in the API server's
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the tests run it). ``--worker-tree`` runs
-the worker of another checkout (scripts/bisect_queue.py gives it a git worktree of each
+the worker of another checkout (benchmarks/bisect_queue.py gives it a git worktree of each
 commit).
 
 Figures, per concurrency (medians over the rounds of each round's percentile):

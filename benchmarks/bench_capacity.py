@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How many jobs a worker takes, measured: ``MAX_CONCURRENCY`` auto against fixed numbers.
 
-    .venv/bin/python scripts/bench_capacity.py [--part open-chat fitted saturation small-kv
+    .venv/bin/python benchmarks/bench_capacity.py [--part open-chat fitted saturation small-kv
         fleet lb] [--jobs 400] [--rounds 3] [--fixed 30 64 128 256] [--json FIGURES.json]
 
 Each part runs what production runs: ``python -m worker`` in serverless mode, the real runpod
@@ -39,7 +39,7 @@ fixed number through the queue in each.
   far over its vLLM's running batch (the stand-in vLLM of tests/capacity_vllm.py, 8
   sequences), straight to vLLM and through the worker's relay: each answer's time, and what
   the relay held meanwhile (its CPU, its peak memory).
-* **fleet**: scripts/bench_fleet.py (stand-in vLLMs of different capacities and speeds, four
+* **fleet**: benchmarks/bench_fleet.py (stand-in vLLMs of different capacities and speeds, four
   workers, one job API): its figures, for ``auto``, 30 and 300.
 
 The figures never fail the run; the exit code is 1 only when a job failed.
@@ -470,7 +470,7 @@ def latency(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
 def fleet(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     figures_file = scratch / "fleet.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fleet.py"),
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fleet.py"),
                            "--json", str(figures_file)], check=False)
     if done.returncode != 0:
         raise SystemExit(done.returncode)

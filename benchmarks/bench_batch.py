@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A batch job (docs/batch.md) beside the same requests sent straight to vLLM, in one run.
 
-    .venv/bin/python scripts/bench_batch.py [--requests 1000] [--concurrency 32]
+    .venv/bin/python benchmarks/bench_batch.py [--requests 1000] [--concurrency 32]
         [--output-len 32] [--rounds 2] [--engine multiprocessing|in-process] [--json FILE]
 
 Why: a batch job should keep vLLM as busy as a client that sends the same requests itself at

@@ -3,7 +3,7 @@
 """Build a tiny random-weight vision-language model (SmolVLM's architecture, Idefics3) that the
 real `vllm serve` can load.
 
-    python scripts/make_tiny_vlm.py OUT_DIR [--seed N]
+    python tools/make_tiny_vlm.py OUT_DIR [--seed N]
 
 Why: the tests of images in chat messages (``image_url`` parts, docs/images.md) must serve a
 vision-language model on a CPU-only machine that cannot reach the Hugging Face hub. Like
@@ -39,9 +39,21 @@ What it writes (the layout of a Hugging Face SmolVLM checkpoint):
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from make_tiny_model import (  # beside this script: the tiny Llama, whose language model this is
+from transformers import (
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3ImageProcessor,
+    Idefics3Processor,
+    Idefics3VisionConfig,
+)
+
+# The tiny Llama's script stays beside the scripts a user runs (scripts/run_local.sh builds
+# its model): the tiny Llama, whose language model this is.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_tiny_model import (
     CHAT_TEMPLATE,
     build_tokenizer,
     builder_cli,
@@ -49,13 +61,6 @@ from make_tiny_model import (  # beside this script: the tiny Llama, whose langu
     random_model,
     save_model,
     save_tokenizer,
-)
-from transformers import (
-    Idefics3Config,
-    Idefics3ForConditionalGeneration,
-    Idefics3ImageProcessor,
-    Idefics3Processor,
-    Idefics3VisionConfig,
 )
 
 IMAGE_SIZE = 32

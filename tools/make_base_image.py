@@ -2,9 +2,9 @@
 """The image test bed: a stand-in of the official vLLM image, and the builder that builds
 this repository's Dockerfile on top of it, on a machine without Docker, a GPU or Docker Hub.
 
-    scripts/make_base_image.py [--version 0.32.0]   # build (or find) the stand-in base
-    scripts/make_base_image.py run buildah images   # any command inside the builder
-    scripts/make_base_image.py run --builder bookworm buildah version   # ... of Debian 12
+    tools/make_base_image.py [--version 0.32.0]   # build (or find) the stand-in base
+    tools/make_base_image.py run buildah images   # any command inside the builder
+    tools/make_base_image.py run --builder bookworm buildah version   # ... of Debian 12
 
 A third root filesystem, a clean Debian 12 with Debian's ``python3`` alone (:func:`fresh_rootfs`),
 is the fresh machine on which tests/test_fresh_machine.py runs the README's first command.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The full soak: a day of a queue worker's mixed traffic and faults, in minutes.
 
-    .venv/bin/python scripts/soak.py [--jobs 20000] [--warmup 1000] [--concurrency 30]
+    .venv/bin/python tools/soak.py [--jobs 20000] [--warmup 1000] [--concurrency 30]
         [--real-jobs 3000] [--real-warmup 200] [--part fake|real|both] [--seed 15]
         [--json FIGURES.json]
 

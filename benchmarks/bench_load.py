@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Load benchmark of the whole worker: many concurrent streaming jobs through the REAL SDK loop.
 
-    .venv/bin/python scripts/bench_load.py [--jobs 256] [--events 100] [--delay 0.005]
+    .venv/bin/python benchmarks/bench_load.py [--jobs 256] [--events 100] [--delay 0.005]
                                            [--max-batch-size N] [--no-api-probe]
 
 Why: a serverless worker is sized by how many streams one process relays at once, and it is
-billed and placed by its memory. ``scripts/bench_proxy.py`` measures the proxy alone; this
+billed and placed by its memory. ``benchmarks/bench_proxy.py`` measures the proxy alone; this
 runs what production runs: ``python -m worker`` (MAX_CONCURRENCY = --jobs) supervising a
 fake ``vllm`` (tests/fake_vllm.py, fast and byte-predictable), with the runpod SDK taking
 jobs from and posting every yield to the fake job API (tests/fake_job_api.py, in this

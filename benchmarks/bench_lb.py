@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the load-balancer mode's relay costs on top of calling vLLM directly.
 
-    .venv/bin/python scripts/bench_lb.py [--quick]
+    .venv/bin/python benchmarks/bench_lb.py [--quick]
 
 In ``WORKER_MODE=lb`` every request goes client → the worker's relay on PORT → vLLM on
 loopback, so the relay's added latency is paid by every request and its CPU is taken from

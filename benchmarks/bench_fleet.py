@@ -2,7 +2,7 @@
 """A fleet of workers on one queue, each over a vLLM of its own capacity: how the jobs spread
 and how long they wait, at each MAX_CONCURRENCY.
 
-    .venv/bin/python scripts/bench_fleet.py [--jobs 2000] [--settings auto 30 300]
+    .venv/bin/python benchmarks/bench_fleet.py [--jobs 2000] [--settings auto 30 300]
         [--max-tokens 32 | --open-ended] [--stream] [--json FILE]
 
 Why: a worker that holds more jobs than its vLLM runs keeps them in vLLM's own queue while

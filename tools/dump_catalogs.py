@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Dump (or check) the packaged flag catalog of each vLLM version of the supported range.
 
-    .venv/bin/python scripts/dump_catalogs.py [--check] [--venvs DIR] [VERSION ...]
+    .venv/bin/python tools/dump_catalogs.py [--check] [--venvs DIR] [VERSION ...]
 
 Each version (default: every packaged one, worker/config/catalogs/vllm-<version>.json) is
 installed into its own virtual environment under ``DIR`` (default /var/tmp/worker-vllm-versions)

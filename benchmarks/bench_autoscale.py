@@ -2,7 +2,7 @@
 """A day of chat traffic on an endpoint under Runpod's two scalers: what each MAX_CONCURRENCY
 costs and how long its jobs take.
 
-    .venv/bin/python scripts/bench_autoscale.py [--quick] [--rows auto/qd4 30/qd4 ...]
+    .venv/bin/python benchmarks/bench_autoscale.py [--quick] [--rows auto/qd4 30/qd4 ...]
         [--procs 2] [--max-workers 10] [--json FILE]
 
 Why: a worker takes what its vLLM can run (``MAX_CONCURRENCY`` auto), often hundreds of jobs.

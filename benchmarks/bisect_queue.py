@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Run scripts/bench_queue.py's queue part (or its load balancer) against the worker of
+"""Run benchmarks/bench_queue.py's queue part (or its load balancer) against the worker of
 several commits, in turn, on this machine: the figures of a stream held whole, per run.
 
-    .venv/bin/python scripts/bisect_queue.py COMMIT [COMMIT ...] [--runs 2]
+    .venv/bin/python benchmarks/bisect_queue.py COMMIT [COMMIT ...] [--runs 2]
         [--engine multiprocessing] [--concurrency 8] [--prompts 160] [--part queue|lb]
 
 Why: issue 41 (since 143f602, about half of the queued jobs posted their whole stream at
@@ -71,7 +71,7 @@ def worktree(commit: str, where: Path) -> Path:
 
 
 def one_run(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    argv = [sys.executable, str(ROOT / "scripts" / "bench_queue.py"), "--part", args.part,
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_queue.py"), "--part", args.part,
             "--rounds", "1", "--prompts", str(args.prompts), "--engine", args.engine,
             "--concurrency", str(args.concurrency), "--worker-tree", str(tree),
             "--json", str(out)]

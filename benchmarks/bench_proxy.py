@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure what the job proxy (:class:`worker.jobs.handler.Proxy`) costs on top of a bare HTTP call.
 
-    .venv/bin/python scripts/bench_proxy.py [--quick] [--profile]
+    .venv/bin/python benchmarks/bench_proxy.py [--quick] [--profile]
 
 Why: every job of the worker goes through the proxy, so its CPU per job caps how many jobs
 one worker process can relay, its added latency is paid by every request, and the stream
@@ -302,7 +302,7 @@ async def bench_nonstream(
 
 
 _PACKAGES = ("httpx_aiohttp", "httpx", "aiohttp", "multidict", "yarl", "tenacity", "worker",
-             "asyncio", "json", "http", "email", "urllib", "scripts")
+             "asyncio", "json", "http", "email", "urllib", "benchmarks")
 
 
 async def print_profile(call: JobCall, jobs: int) -> None:

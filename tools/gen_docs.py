@@ -2,8 +2,8 @@
 """Rewrite the generated tables of docs/ (:data:`PAGES`) from the code, so that the two never
 disagree.
 
-    python scripts/gen_docs.py          # rewrite the pages in place
-    python scripts/gen_docs.py --check  # exit 1 (and say which) when a page is stale
+    python tools/gen_docs.py          # rewrite the pages in place
+    python tools/gen_docs.py --check  # exit 1 (and say which) when a page is stale
 
 Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; only the
 text between them is replaced. The sources, in docs/configuration.md:
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if wanted == current:
             continue
         if args.check:
-            print(f"{name} is out of date: run python scripts/gen_docs.py", file=sys.stderr)
+            print(f"{name} is out of date: run python tools/gen_docs.py", file=sys.stderr)
             stale += 1
         else:
             path.write_text(wanted, encoding="utf-8")

@@ -3,7 +3,7 @@
 loopback S3 store: the cold first use against a warm one, many adapters against one, and the
 disk bound under that load.
 
-    .venv/bin/python scripts/bench_adapters.py [--adapters 50] [--jobs 500]
+    .venv/bin/python benchmarks/bench_adapters.py [--adapters 50] [--jobs 500]
         [--concurrency 8] [--samples 8] [--rounds 2] [--bound-adapters 10]
         [--max-loras 8] [--max-cpu-loras 16] [--parts cold many bound] [--json FIGURES.json]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Capture vLLM's own log of the failed starts that can be made here, from the real CPU vLLM.
 
-    flock /tmp/vllm.lock .venv/bin/python scripts/capture_failure_logs.py [--vllm PATH] OUT_DIR
+    flock /tmp/vllm.lock .venv/bin/python tools/capture_failure_logs.py [--vllm PATH] OUT_DIR
 
 Runs bare ``vllm serve`` (the CPU vLLM at ``--vllm``, else ``VLLM_EXECUTABLE``, else
 ``.venv-vllm``; not the worker, whose checks would answer some of these before vLLM starts)
@@ -16,7 +16,7 @@ and an empty cache; a local model folder that does not exist. Each start must fa
 lines of its output (stdout and stderr as they came) are written to ``OUT_DIR/<name>.log``
 under a header of ``#`` lines saying how it was captured (tests/test_diagnosis.py reads the
 log below the header). Nothing leaves the machine. The Hub's failures are
-scripts/capture_hub_failures.py's.
+tools/capture_hub_failures.py's.
 """
 
 from __future__ import annotations
