@@ -105,7 +105,8 @@ class QueueWorker:
         sign = functools.partial(object_request, dict(launch.env) if launch else {})
         return BatchOptions(concurrency(self.settings.batch_concurrency, max_num_seqs),
                             BatchFiles(sign, error_code=error_code,
-                                       base_path=self.settings.base_path),
+                                       base_path=self.settings.base_path,
+                                       cache_home=launch.cache_home if launch else None),
                             self.settings.progress_interval)
 
     def _pacer_of(self, batches: BatchOptions) -> Pacer:

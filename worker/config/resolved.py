@@ -326,6 +326,9 @@ class Launch:
     closed_routes: tuple[str, ...] = ()
     """vLLM's routes refused to jobs and to a load balancer's clients
     (:func:`worker.config.routes.closed_route_problem`)."""
+    cache_home: str = ""
+    """The user's cache folder by the XDG rule, as the start read it (the worker's own files
+    without a volume: fetched adapters, a batch's results an output URL did not take)."""
 
     @property
     def cpu_kv_cache_space(self) -> str | None:

@@ -126,9 +126,9 @@ class BatchFiles:
         self._http: httpx.AsyncClient | None = None
         # Where results an output_url did not take are kept (:func:`results_dirs`).
         self._base_path = base_path
-        # The XDG rule, as the start reads the user's cache folder.
-        self._cache_home = cache_home or os.environ.get("XDG_CACHE_HOME", "").strip() or (
-            os.path.join(os.path.expanduser("~"), ".cache"))
+        # The user's cache folder as the start read it (the resolved launch's), else the XDG
+        # rule's default.
+        self._cache_home = cache_home or os.path.join(os.path.expanduser("~"), ".cache")
         self._left_said = False  # a check's object left behind: said once per worker
 
     def _client(self) -> httpx.AsyncClient:

@@ -237,7 +237,8 @@ class Builder:
         command = self._as_cluster_rank(source, command)
         command = self._for_nccl(source, command)
         child = vllm_environment(source, command, behind_worker=self._behind_worker)
-        bucket = self._for_bucket_adapters(child, command)
+        cache_home = _cache_home(child)
+        bucket = self._for_bucket_adapters(child, command, cache_home)
         hub = hub_access(child, self._read_text)
         caches = list(dict.fromkeys(os.path.normpath(path) for path in (
             *hub.cache_dirs[:1], runpod_cache_dir(self.settings.base_path))))
@@ -251,10 +252,11 @@ class Builder:
             hub=hub,
             base_path=self.settings.base_path,
             closed_routes=bucket.closed_routes if bucket is not None else (),
+            cache_home=cache_home,
         )
 
-    def _for_bucket_adapters(self, child: dict[str, str],
-                             command: VllmCommand) -> BucketAdapters | None:
+    def _for_bucket_adapters(self, child: dict[str, str], command: VllmCommand,
+                             cache_home: str) -> BucketAdapters | None:
         """vLLM's environment with what the bucket's LoRA resolver needs when
         ``LORA_ADAPTERS_URI`` is set (:mod:`worker.model.bucket_adapters`)."""
         rank = command.value("--max-lora-rank")
@@ -263,7 +265,7 @@ class Builder:
         bucket = bucket_adapters(
             child, max_rank=int(rank) if rank is not None and rank.isdigit()
             else DEFAULT_MAX_LORA_RANK, base_path=self.settings.base_path,
-            cache_home=_cache_home(child), is_dir=self._is_dir,
+            cache_home=cache_home, is_dir=self._is_dir,
             vllm_url=f"http://{local}:{self._port}")
         if isinstance(bucket, ConfigError):
             raise bucket
