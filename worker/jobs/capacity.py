@@ -32,7 +32,7 @@ from worker.jobs.answers import PRIOR_ANSWER_TOKENS
 from worker.jobs.vllm_metrics import Load
 
 __all__ = ["KV_FULL", "Held", "Limit", "Shape", "decide", "first_job_tokens", "kv_budget",
-           "request_shape", "request_tokens"]
+           "per_job", "request_shape", "request_tokens", "reserved_tokens", "whole_blocks"]
 
 #: The KV cache's use (vLLM's ``kv_cache_usage_perc``, a fraction) at which the worker stops
 #: taking jobs, when its own jobs cannot explain it. vLLM admits a waiting request while its
@@ -112,7 +112,7 @@ class Shape:
         total = 0
         for prompt in self.prompts:
             sequence = prompt + out if context is None else min(prompt + out, context)
-            each = -(-sequence // block_size) * block_size
+            each = whole_blocks(sequence, block_size)
             total += each + (self.n - 1) * max(0, each - prompt)
         return total
 
@@ -152,6 +152,22 @@ def _tools_tokens(tools: object) -> int:
     if not isinstance(tools, list) or not tools:
         return 0
     return _text_tokens(json.dumps(tools, separators=(",", ":")))
+
+
+def whole_blocks(tokens: int, block_size: int) -> int:
+    """``tokens`` in whole blocks of the KV cache (vLLM gives a sequence whole blocks)."""
+    return -(-tokens // block_size) * block_size
+
+
+def per_job(held: Held, context: int | None) -> int:
+    """What a job not read yet counts: the ``typical`` one, before any
+    :func:`first_job_tokens` (0 when neither is known)."""
+    return held.typical or first_job_tokens(context) or 0
+
+
+def reserved_tokens(held: Held, context: int | None) -> int:
+    """The KV cache the requests held can grow to, those not read yet at :func:`per_job`."""
+    return held.tokens + held.unsized * per_job(held, context)
 
 
 def first_job_tokens(context: int | None) -> int | None:
@@ -233,10 +249,9 @@ def decide(
     if setting is not None:
         return Limit(setting, "setting")
     limit, reason = capacity.max_num_seqs, "max_num_seqs"
-    per_job = held.typical or first_job_tokens(capacity.context)
-    if capacity.kv_tokens is not None and per_job:
-        reserved = held.tokens + held.unsized * per_job
-        fits = held.jobs + (kv_budget(capacity) - reserved) // per_job
+    each = per_job(held, capacity.context)
+    if capacity.kv_tokens is not None and each:
+        fits = held.jobs + (kv_budget(capacity) - reserved_tokens(held, capacity.context)) // each
         if fits < limit:
             limit, reason = fits, "kv_cache"
     if most is not None and most < limit:

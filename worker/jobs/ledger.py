@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from worker.jobs.capacity import Held, Shape
+from worker.jobs.capacity import Held, Shape, whole_blocks
 
 __all__ = ["TYPICAL_OF", "Ledger"]
 
@@ -103,5 +103,5 @@ class Ledger:
         if self._recent:
             mean = sum(shape.tokens(context, 1, answer) for shape in self._recent) \
                 / len(self._recent)
-            typical = -(-round(mean) // block_size) * block_size
+            typical = whole_blocks(round(mean), block_size)
         return Held(jobs, tokens, unsized, typical)

@@ -39,9 +39,10 @@ from worker.jobs.capacity import (
     Limit,
     Shape,
     decide,
-    first_job_tokens,
     kv_budget,
+    per_job,
     request_shape,
+    reserved_tokens,
 )
 from worker.jobs.figures import INTERVAL, Metrics, load_words, read_figures
 from worker.jobs.latency import LatencyBound
@@ -159,9 +160,6 @@ class Pacer:
         self._log.change(limit, held.jobs, self.vllm)
         return limit.room(held.jobs)
 
-    def _per_job(self, held: Held) -> int:
-        return held.typical or first_job_tokens(self.capacity.context) or 0
-
     def _line_fits(self, shape: Shape) -> bool:
         if self._ledger.unsent:
             return False  # a job taken goes first
@@ -176,10 +174,9 @@ class Pacer:
             return False
         if self.capacity.kv_tokens is None:
             return True
-        per_job = self._per_job(held)
-        tokens = shape.tokens(self.capacity.context, self.capacity.block_size,
-                              self.vllm.estimate().tokens)
-        return (held.tokens + (held.unsized + RESERVE) * per_job + tokens
+        context = self.capacity.context
+        tokens = shape.tokens(context, self.capacity.block_size, self.vllm.estimate().tokens)
+        return (reserved_tokens(held, context) + RESERVE * per_job(held, context) + tokens
                 <= kv_budget(self.capacity))
 
     def line_shape(self, route: str, body: object) -> Shape:
@@ -204,7 +201,7 @@ class Pacer:
         budget = kv_budget(self.capacity)
         held = self.held()
         self.vllm.asking(1.0 if not budget else
-                         (held.tokens + held.unsized * self._per_job(held)) / budget)
+                         reserved_tokens(held, self.capacity.context) / budget)
 
     def observe(self, load: Load) -> None:
         """vLLM's figures of now (and its KV cache's size and block, once it says them)."""
