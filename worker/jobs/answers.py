@@ -95,8 +95,7 @@ class AnswerLengths:
                 self._backoff, self._calm = self._backoff // 2, 0
         if answers is None:
             return
-        if self._latest is not None and (answers.bounds != self._latest.bounds
-                                         or answers.count < self._latest.count):
+        if self._latest is not None and not answers.follows(self._latest):
             self._snapshots.clear()  # vLLM restarted: its counts began again
             self._slid = False
         self._snapshots.append(answers)

@@ -77,8 +77,7 @@ class Recent:
     def observe(self, histogram: Histogram | None) -> None:
         if histogram is None:
             return
-        if self._snapshots and (self._snapshots[-1].bounds != histogram.bounds
-                                or self._snapshots[-1].count > histogram.count):
+        if self._snapshots and not histogram.follows(self._snapshots[-1]):
             self._snapshots.clear()  # vLLM restarted: its counts began again
         self._snapshots.append(histogram)
 

@@ -59,10 +59,15 @@ class Histogram:
     def count(self) -> float:
         return self.counts[-1] if self.counts else 0.0
 
+    def follows(self, earlier: Histogram) -> bool:
+        """Whether this is a later reading of the same histogram as ``earlier`` (not when the
+        buckets differ or the counts went back: vLLM restarted)."""
+        return earlier.bounds == self.bounds and earlier.count <= self.count
+
     def since(self, earlier: Histogram) -> Histogram:
-        """The observations made after ``earlier`` (an empty histogram when the buckets differ
-        or the counts went back: vLLM restarted)."""
-        if earlier.bounds != self.bounds or earlier.count > self.count:
+        """The observations made after ``earlier`` (none when this does not
+        :meth:`follow <follows>` it)."""
+        if not self.follows(earlier):
             return Histogram(self.bounds, tuple(0.0 for _ in self.bounds))
         return Histogram(self.bounds, tuple(now - then for now, then in
                                             zip(self.counts, earlier.counts, strict=True)))
