@@ -22,8 +22,9 @@ from __future__ import annotations
 import itertools
 import os
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from worker.config.flags import Flag, FlagCatalog, env_name
 from worker.config.inputs import read_baked_args, read_config_file, read_text
@@ -125,61 +126,17 @@ def build_command(
     if (outside := range_warning(catalog.running_version)) is not None:
         warnings.append(outside)
     flags: dict[str, FlagSetting] = {}
-    env_overrides: dict[str, str] = {}
 
-    values = dict(env)
-    baked: dict[str, str] = {}
-    overrides: dict[str, str] = {}  # the baked values that replace the user's
-    if file_exists(baked_args_path):
-        baked = read_baked_args(baked_args_path, read_text)
-        overrides = {k: v for k, v in baked.items() if k not in BAKED_DEFAULTS}
-        for name, value in overrides.items():
-            mine = env.get(name, "").strip()
-            if mine and mine != value:
-                warnings.append(
-                    f"{name}={mine!r} is replaced by {value!r} from {baked_args_path} (the model "
-                    "baked into the image); rebuild the image to change it"
-                )
-        values.update(overrides)
-        env_overrides["HF_HUB_OFFLINE"] = "1"
-
-    config_path, config_flags = read_config_file(values, catalog, config_default, file_exists,
-                                                 read_text, warnings, _check_explicit_flag)
-    if config_path is not None:
-        explicit = bool(values.get("VLLM_CONFIG_FILE", "").strip())
-        source = FlagSource("env", "VLLM_CONFIG_FILE") if explicit else FlagSource("worker")
-        _record(flags, "--config", FlagSetting(source, (config_path,)))
-        for name, setting in config_flags.items():
-            _record(flags, name, setting)
-
-    chosen = _choose(values, catalog, overrides, baked_args_path, warnings, history)
+    baked = _baked_model(env, baked_args_path, file_exists, read_text, warnings)
+    values = {**env, **baked.overrides}
+    config_path = _record_config_file(values, catalog, config_default, file_exists, read_text,
+                                      flags, warnings)
+    chosen = _choose(values, catalog, baked.overrides, baked_args_path, warnings, history)
     extra, extra_flags = _extra_args(values.get("VLLM_EXTRA_ARGS", ""), catalog, chosen, warnings,
                                      history)
-    # A baked default (the repo id as the served name) applies where the user set nothing.
-    for name, value in baked.items():
-        flag = catalog.by_env_name(name)
-        if name in BAKED_DEFAULTS and flag is not None and not (
-            {flag.name} & (chosen.keys() | extra_flags.keys() | flags.keys())
-        ):
-            chosen[flag.name] = _Choice(flag, name, value,
-                                        FlagSource("baked", name, baked_args_path), 0)
-
-    model: list[str] = []
-    flag_args: list[str] = []
-    for name in sorted(chosen):
-        choice = chosen[name]
-        if name == _MODEL_FLAG and catalog.model_positional:
-            model = [choice.value]
-            rendered = Rendered(model, (choice.value,))
-        else:
-            rendered = render(choice.flag, choice.var, choice.value)
-            if not rendered.args:
-                continue  # a switch turned off: nothing on the command line, nothing to trace
-            flag_args += rendered.args
-        _record(flags, name, FlagSetting(choice.source, rendered.values, rendered.switch))
-        if choice.flag.deprecated:
-            warnings.append(f"{choice.var} sets {name}, which vLLM {catalog.version} deprecates")
-
+    _choose_baked_defaults(baked.values, catalog, baked_args_path, chosen,
+                           extra_flags.keys() | flags.keys())
+    model, flag_args = _render_chosen(chosen, catalog, flags, warnings)
     for name, setting in extra_flags.items():
         _record(flags, name, setting)
     worker_args = _enable_lora(flags, catalog, warnings)
@@ -195,9 +152,104 @@ def build_command(
     argv += [*flag_args, *extra, *worker_args, "--host", host, "--port", str(port)]
     _record(flags, "--host", FlagSetting(FlagSource("worker"), (host,)))
     _record(flags, "--port", FlagSetting(FlagSource("worker"), (str(port),)))
+    env_overrides = {"HF_HUB_OFFLINE": "1"} if baked.found else {}
     return VllmCommand(tuple(argv), flags, tuple(warnings), env_overrides,
                        request_fields=catalog.request_fields,
                        vllm_version=catalog.running_version)
+
+
+class _Baked(NamedTuple):
+    """The variables of the model baked into the image (none when there is no such file)."""
+
+    found: bool
+    values: dict[str, str]
+    overrides: dict[str, str]  # the baked values that replace the user's
+
+
+def _baked_model(
+    env: Mapping[str, str],
+    path: str,
+    file_exists: Callable[[str], bool],
+    read_text: Callable[[str], str],
+    warnings: list[str],
+) -> _Baked:
+    """The baked model's variables, with a warning for each setting of the user's they replace."""
+    if not file_exists(path):
+        return _Baked(False, {}, {})
+    baked = read_baked_args(path, read_text)
+    overrides = {k: v for k, v in baked.items() if k not in BAKED_DEFAULTS}
+    for name, value in overrides.items():
+        mine = env.get(name, "").strip()
+        if mine and mine != value:
+            warnings.append(
+                f"{name}={mine!r} is replaced by {value!r} from {path} (the model "
+                "baked into the image); rebuild the image to change it"
+            )
+    return _Baked(True, baked, overrides)
+
+
+def _record_config_file(
+    values: Mapping[str, str],
+    catalog: FlagCatalog,
+    config_default: str,
+    file_exists: Callable[[str], bool],
+    read_text: Callable[[str], str],
+    flags: dict[str, FlagSetting],
+    warnings: list[str],
+) -> str | None:
+    """Record ``--config`` and the flags its YAML file sets; the file's path (None: no file)."""
+    config_path, config_flags = read_config_file(values, catalog, config_default, file_exists,
+                                                 read_text, warnings, _check_explicit_flag)
+    if config_path is not None:
+        explicit = bool(values.get("VLLM_CONFIG_FILE", "").strip())
+        source = FlagSource("env", "VLLM_CONFIG_FILE") if explicit else FlagSource("worker")
+        _record(flags, "--config", FlagSetting(source, (config_path,)))
+        for name, setting in config_flags.items():
+            _record(flags, name, setting)
+    return config_path
+
+
+def _choose_baked_defaults(
+    baked: Mapping[str, str],
+    catalog: FlagCatalog,
+    baked_args_path: str,
+    chosen: dict[str, _Choice],
+    elsewhere: Set[str],
+) -> None:
+    """Add to ``chosen`` the baked defaults (the repo id as the served name) of the flags the
+    user set nowhere: by no variable, nor in ``elsewhere`` (extra args, the config file)."""
+    for name, value in baked.items():
+        flag = catalog.by_env_name(name)
+        if (name in BAKED_DEFAULTS and flag is not None
+                and flag.name not in chosen and flag.name not in elsewhere):
+            chosen[flag.name] = _Choice(flag, name, value,
+                                        FlagSource("baked", name, baked_args_path), 0)
+
+
+def _render_chosen(
+    chosen: Mapping[str, _Choice],
+    catalog: FlagCatalog,
+    flags: dict[str, FlagSetting],
+    warnings: list[str],
+) -> tuple[list[str], list[str]]:
+    """The chosen flags rendered to argv, each recorded in ``flags``: the model (when vLLM
+    takes it as a positional argument) and the flags' arguments, sorted by flag."""
+    model: list[str] = []
+    flag_args: list[str] = []
+    for name in sorted(chosen):
+        choice = chosen[name]
+        if name == _MODEL_FLAG and catalog.model_positional:
+            model = [choice.value]
+            rendered = Rendered(model, (choice.value,))
+        else:
+            rendered = render(choice.flag, choice.var, choice.value)
+            if not rendered.args:
+                continue  # a switch turned off: nothing on the command line, nothing to trace
+            flag_args += rendered.args
+        _record(flags, name, FlagSetting(choice.source, rendered.values, rendered.switch))
+        if choice.flag.deprecated:
+            warnings.append(f"{choice.var} sets {name}, which vLLM {catalog.version} deprecates")
+    return model, flag_args
 
 
 def _enable_lora(
