@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from worker.jobs import sdk
+
 if TYPE_CHECKING:
     from aiohttp.client_reqrep import ClientRequest
     from aiohttp.connector import Connection
@@ -67,6 +69,7 @@ class ReconnectingConnector(aiohttp.TCPConnector):
 
 def job_api_session() -> aiohttp.ClientSession:
     """``runpod.http_client.AsyncClientSession()`` with a :class:`ReconnectingConnector`."""
+    sdk.load()
     from runpod.http_client import get_auth_header
 
     return aiohttp.ClientSession(

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import IO, Any
 
 from worker.errors import ResultTooLarge
-from worker.jobs import stats, timeline
+from worker.jobs import sdk, stats, timeline
 from worker.jobs.jobapi import job_api_session
 from worker.jobs.pacer import Pacer
 from worker.jobs.payload import ResultBudget
@@ -53,6 +53,7 @@ class JobLoop:
         stats_options: stats.StatsOptions | None = None,
     ) -> None:
         """``pacer`` says how many jobs to take (an int: that many at most)."""
+        sdk.load()
         from runpod.serverless.modules import rp_scale
 
         self._sdk_log = rp_scale.log  # the SDK's logger, for the lines the SDK's loop wrote
@@ -224,6 +225,7 @@ async def post_job(session: Any, config: dict[str, Any], job: Job) -> None:
     fit its limit, then a line that says what went to ``/stream`` only. An output ``{"error":
     ...}`` ends the job with that error, and so does a JSON answer that the result cannot hold
     (``result_too_large``) or an exception of the handler (the SDK's ``run_job_generator``)."""
+    sdk.load()
     from runpod.serverless.modules import rp_http
 
     budget = ResultBudget.for_job(job.get("id"))
@@ -260,6 +262,7 @@ async def post_job(session: Any, config: dict[str, Any], job: Job) -> None:
 
 def start_heartbeat() -> None:
     """Start the SDK's ping process, as ``runpod.serverless.start`` does in production."""
+    sdk.load()
     from runpod.serverless.modules.worker_state import JobsProgress, PingJobMirror
     from runpod.serverless.worker import heartbeat
 
@@ -270,6 +273,7 @@ def start_heartbeat() -> None:
 
 async def run_fitness_checks() -> None:
     """The SDK's start-up system checks (they exit the process when one fails)."""
+    sdk.load()
     from runpod.serverless.modules.rp_fitness import run_fitness_checks as sdk_checks
 
     await sdk_checks()
