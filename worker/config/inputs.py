@@ -78,6 +78,25 @@ def read_config_file(
             f"{var}: vLLM reads only .yaml/.yml config files, e.g. "
             "VLLM_CONFIG_FILE=/vllm_config.yaml"
         )
+    data = _yaml_mapping(path, var, read_text)
+    settings: dict[str, FlagSetting] = {}
+    source = FlagSource("config_file", path=path)
+    for key, value in data.items():
+        option = "--" + str(key)
+        flag = catalog.get(option)
+        name = flag.name if flag is not None else option
+        if flag is None:
+            warnings.append(
+                f"{path}: {key!r} is not a flag of vLLM {catalog.version}; vLLM may reject it"
+            )
+        check_flag(name, f"{path} (key {key!r})", warnings)
+        settings[name] = _yaml_setting(source, value)
+    return path, settings
+
+
+def _yaml_mapping(path: str, var: str, read_text: Callable[[str], str]) -> dict[object, object]:
+    """The config file parsed, checked to be a mapping; a broken one is a ConfigError naming
+    the line of the YAML error (``var`` says where the path came from)."""
     import yaml  # only when a config file is used: keeps the common start-up lean
 
     try:
@@ -100,19 +119,7 @@ def read_config_file(
             f"{var}: holds {type(data).__name__}, not a mapping of flags, e.g. "
             "`max-model-len: 8192`"
         )
-    settings: dict[str, FlagSetting] = {}
-    source = FlagSource("config_file", path=path)
-    for key, value in data.items():
-        option = "--" + str(key)
-        flag = catalog.get(option)
-        name = flag.name if flag is not None else option
-        if flag is None:
-            warnings.append(
-                f"{path}: {key!r} is not a flag of vLLM {catalog.version}; vLLM may reject it"
-            )
-        check_flag(name, f"{path} (key {key!r})", warnings)
-        settings[name] = _yaml_setting(source, value)
-    return path, settings
+    return data
 
 
 def _yaml_setting(source: FlagSource, value: object) -> FlagSetting:
