@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.config.cluster import cluster_rank
 from worker.config.settings import Settings
@@ -28,6 +28,9 @@ from worker.errors import ConfigError
 from worker.secrets import SecretMasker
 from worker.start.build import Builder
 from worker.start.gpus import query_gpus
+
+if TYPE_CHECKING:
+    from worker.queue_worker import QueueWorker
 
 logger = logging.getLogger("worker")
 
@@ -163,8 +166,8 @@ def _test_job(job_text: str, output_text: str | None) -> tuple[dict[str, Any], o
     return job, (json.loads(output_text) if output_text is not None else None)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    started = time.monotonic()
+def _command_line() -> argparse.ArgumentParser:
+    """The worker's own flags; the others (the SDK's ``--rp_*``) are passed on unparsed."""
     parser = argparse.ArgumentParser(
         prog="python -m worker",
         description="Run vLLM behind the Runpod Serverless job loop (WORKER_MODE picks how).",
@@ -183,14 +186,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--test_output", metavar="JSON",
         help="with --test_input: also exit 1 when the job's output differs from this",
     )
-    args, sdk_args = parser.parse_known_args(argv)
+    return parser
+
+
+def _read_settings(env: Mapping[str, str]) -> tuple[Settings, ConfigError | None]:
+    """The worker's settings; when they are wrong, the defaults and the error, so that the
+    modes that answer jobs can answer each with it."""
+    try:
+        return Settings.from_env(env), None
+    except ConfigError as exc:
+        return Settings.defaults(env), exc
+
+
+def _serve_local(worker: QueueWorker, settings: Settings, sdk_args: list[str]) -> int:
+    """Run the queue worker behind Runpod's routes, on the address the ``--rp_api_*`` flags
+    (or PORT) give; 2 when the port is no number."""
+    from worker.local_api import LocalApi, local_address
+
+    try:
+        host, port, ignored = local_address(settings.effective_port, sdk_args)
+    except ValueError:
+        print("--rp_api_port: give a port number", file=sys.stderr)
+        return 2
+    if ignored:
+        logger.warning("local mode serves Runpod's routes itself: ignoring %s",
+                       " ".join(ignored))
+    api = LocalApi(host, port)
+    api.export(os.environ)  # before the SDK is imported: it reads them then
+    return worker.run_local(api)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
+    args, sdk_args = _command_line().parse_known_args(argv)
     env = dict(os.environ)
     masker = SecretMasker.from_env(env)
-    settings_error: ConfigError | None = None
-    try:
-        settings = Settings.from_env(env)
-    except ConfigError as exc:
-        settings, settings_error = Settings.defaults(env), exc
+    settings, settings_error = _read_settings(env)
     setup_logging(masker, settings.log_level)
     for cut in settings.cut_settings(env) if settings_error is None else ():
         logger.warning("%s", cut)
@@ -234,16 +265,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker.run_test_job(*test_job)
     if mode == "serverless":
         return worker.run_serverless()
-    from worker.local_api import LocalApi, local_address
-
-    try:
-        host, port, ignored = local_address(settings.effective_port, sdk_args)
-    except ValueError:
-        print("--rp_api_port: give a port number", file=sys.stderr)
-        return 2
-    if ignored:
-        logger.warning("local mode serves Runpod's routes itself: ignoring %s",
-                       " ".join(ignored))
-    api = LocalApi(host, port)
-    api.export(os.environ)  # before the SDK is imported: it reads them then
-    return worker.run_local(api)
+    return _serve_local(worker, settings, sdk_args)
