@@ -40,7 +40,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -385,15 +385,40 @@ async def preflight(
     if not targets:
         return PreflightResult(skipped=plan.skipped, seconds=time.monotonic() - started)
 
-    token = hub.token
-    masker = SecretMasker([token] if token else [])
+    masker = SecretMasker([hub.token] if hub.token else [])
     sources = command.model_sources
     cached = {t.repo: sources.cached(t.repo) if sources is not None else None for t in targets}
+    found = [_masked(outcome, masker) for outcome in await _ask_each(
+        targets, cached, hub, hf_api_factory, timeout, started)]
+    problems = tuple(outcome.problem for outcome in found if outcome.problem is not None)
+    warnings = tuple(outcome.warning for outcome in found if outcome.warning is not None)
+    down = tuple((target, outcome.outage) for target, outcome in zip(targets, found, strict=True)
+                 if outcome.outage is not None)
+    listings = tuple(outcome.listing for outcome in found if outcome.listing is not None)
+    seconds = time.monotonic() - started
+    logger.debug("hub pre-flight: %d repo(s) in %.2f s, %d problem(s), %d warning(s)",
+                 len(targets), seconds, len(problems), len(warnings))
+    outage = HubOutage(hub.endpoint or HUB_URL, down) if down else None
+    return PreflightResult(problems, warnings, tuple(target.label for target in targets),
+                           plan.skipped, seconds, outage, listings)
+
+
+async def _ask_each(
+    targets: Sequence[HubTarget],
+    cached: Mapping[str, RepoSource | None],
+    hub: HubAccess,
+    api_factory: Callable[[str | None], HubApi],
+    timeout: float,  # noqa: ASYNC109 (as preflight's: it also bounds each request)
+    started: float,
+) -> list[_Outcome]:
+    """Each repo's outcome, its check run in a daemon thread of its own and awaited until
+    ``timeout`` s after ``started``: a repo without an answer by then counts as the Hub not
+    answering (nothing, for a cached repo)."""
     loop = asyncio.get_running_loop()
     futures = [
         in_daemon_thread(
             loop,
-            functools.partial(_check_repo, hf_api_factory, hub.endpoint, target, token, timeout,
+            functools.partial(_check_repo, api_factory, hub.endpoint, target, hub.token, timeout,
                               hub.cache_dirs, cached[target.repo]),
             f"hub-preflight {target.label}",
         )
@@ -401,11 +426,7 @@ async def preflight(
     ]
     remaining = max(0.0, timeout - (time.monotonic() - started))
     await asyncio.wait(futures, timeout=remaining)
-
-    problems: list[HubMessage] = []
-    warnings: list[str] = []
-    down: list[tuple[HubTarget, str]] = []
-    listings: list[RepoListing] = []
+    outcomes: list[_Outcome] = []
     for target, future in zip(targets, futures, strict=True):
         if not future.done():
             future.cancel()
@@ -416,20 +437,17 @@ async def preflight(
             outcome = _uncertain(target, f"the check failed ({type(exc).__name__})")
         else:
             outcome = future.result()
-        if outcome.problem is not None:
-            problem = outcome.problem
-            problems.append(HubMessage(problem.kind, masker.mask(problem.cause),
-                                       masker.mask(problem.fix)))
-        if outcome.warning is not None:
-            warnings.append(masker.mask(outcome.warning))
-        if outcome.outage is not None:
-            down.append((target, masker.mask(outcome.outage)))
-        if outcome.listing is not None:
-            listings.append(outcome.listing)
-    seconds = time.monotonic() - started
-    logger.debug("hub pre-flight: %d repo(s) in %.2f s, %d problem(s), %d warning(s)",
-                 len(targets), seconds, len(problems), len(warnings))
-    outage = HubOutage(hub.endpoint or HUB_URL, tuple(down)) if down else None
-    return PreflightResult(tuple(problems), tuple(warnings),
-                           tuple(target.label for target in targets), plan.skipped, seconds,
-                           outage, tuple(listings))
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _masked(outcome: _Outcome, masker: SecretMasker) -> _Outcome:
+    """``outcome`` with the token masked wherever the Hub's words may carry it."""
+    problem = outcome.problem
+    return _Outcome(
+        problem=None if problem is None else HubMessage(
+            problem.kind, masker.mask(problem.cause), masker.mask(problem.fix)),
+        warning=None if outcome.warning is None else masker.mask(outcome.warning),
+        outage=None if outcome.outage is None else masker.mask(outcome.outage),
+        listing=outcome.listing,
+    )
