@@ -69,28 +69,32 @@ def plan_hub_checks(
     if hub.modelscope:
         return HubPlan((), ("VLLM_USE_MODELSCOPE is on: models come from ModelScope",))
 
+    candidates = _named_repos(command)
+    targets: list[HubTarget] = []
+    skipped: list[str] = []
+    seen: set[tuple[str, str | None]] = set()
+    for target in candidates:
+        reason = _not_a_hub_repo(target.repo, path_exists)
+        if reason is not None:
+            skipped.append(f"{target.variable}={target.repo!r} {reason}")
+        elif (target.repo, target.revision) not in seen:
+            seen.add((target.repo, target.revision))
+            targets.append(target)
+    return HubPlan(tuple(targets), tuple(skipped))
+
+
+def _named_repos(command: VllmCommand) -> list[HubTarget]:
+    """Every repo the command names, each with the variables that set it: the model, the
+    tokenizer, the draft model and the LoRA adapters (local paths and repeats included)."""
     candidates: list[HubTarget] = []
     model, revision = command.model, command.revision
     model_variable = _setting(command, "--model", "MODEL_NAME")
     revision_variable = _setting(command, "--revision", "MODEL_REVISION")
     if model is not None:
         candidates.append(HubTarget(model, revision, "model", model_variable, revision_variable))
-
-    tokenizer, tokenizer_revision = command.tokenizer, command.tokenizer_revision
-    if tokenizer is not None or tokenizer_revision is not None:
-        repo = tokenizer or model
-        variable = _setting(command, "--tokenizer", "TOKENIZER_NAME") if tokenizer else (
-            model_variable)
-        if tokenizer_revision is not None:
-            wanted: str | None = tokenizer_revision
-            wanted_variable = _setting(command, "--tokenizer-revision", "TOKENIZER_REVISION")
-        elif revision is not None:
-            wanted = revision
-            wanted_variable = f"TOKENIZER_REVISION, which defaults to {revision_variable}"
-        else:
-            wanted, wanted_variable = None, "TOKENIZER_REVISION"
-        if repo is not None:
-            candidates.append(HubTarget(repo, wanted, "tokenizer", variable, wanted_variable))
+    tokenizer = _tokenizer_repo(command, model_variable, revision_variable)
+    if tokenizer is not None:
+        candidates.append(tokenizer)
 
     draft = draft_model(command)
     if draft is not None:
@@ -104,18 +108,30 @@ def plan_hub_checks(
         candidates.append(HubTarget(module.path, None, "LoRA adapter",
                                     f'the path of {lora_variable} entry "{module.name}"',
                                     lora_variable))
+    return candidates
 
-    targets: list[HubTarget] = []
-    skipped: list[str] = []
-    seen: set[tuple[str, str | None]] = set()
-    for target in candidates:
-        reason = _not_a_hub_repo(target.repo, path_exists)
-        if reason is not None:
-            skipped.append(f"{target.variable}={target.repo!r} {reason}")
-        elif (target.repo, target.revision) not in seen:
-            seen.add((target.repo, target.revision))
-            targets.append(target)
-    return HubPlan(tuple(targets), tuple(skipped))
+
+def _tokenizer_repo(
+    command: VllmCommand, model_variable: str, revision_variable: str
+) -> HubTarget | None:
+    """The tokenizer's repo and revision where the command sets either, defaulted as vLLM
+    does: the repo to the model, the revision to the model's (None: it sets neither, or no
+    repo comes of it)."""
+    tokenizer, tokenizer_revision = command.tokenizer, command.tokenizer_revision
+    repo = tokenizer or command.model
+    if (tokenizer is None and tokenizer_revision is None) or repo is None:
+        return None
+    variable = _setting(command, "--tokenizer", "TOKENIZER_NAME") if tokenizer else (
+        model_variable)
+    if tokenizer_revision is not None:
+        wanted: str | None = tokenizer_revision
+        wanted_variable = _setting(command, "--tokenizer-revision", "TOKENIZER_REVISION")
+    elif command.revision is not None:
+        wanted = command.revision
+        wanted_variable = f"TOKENIZER_REVISION, which defaults to {revision_variable}"
+    else:
+        wanted, wanted_variable = None, "TOKENIZER_REVISION"
+    return HubTarget(repo, wanted, "tokenizer", variable, wanted_variable)
 
 
 def _not_a_hub_repo(value: str, path_exists: Callable[[str], bool]) -> str | None:
