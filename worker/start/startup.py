@@ -169,15 +169,8 @@ class Startup:
             return StartOutcome(exc)
         if (missing := missing_baked_model(launch.command)) is not None:
             return StartOutcome(missing, launch.command)
-        adapters = adapter_sources(launch)
-        for warning in adapters.warnings:
-            logger.warning("%s", warning)
-        if (no_folder := missing_adapter_folder(adapters)) is not None:
-            return StartOutcome(no_folder, launch.command)
-        if adapters.bucket is not None and (
-                no_plugin := await asyncio.to_thread(self._bucket_plugin, launch,
-                                                     adapters.bucket)) is not None:
-            return StartOutcome(no_plugin, launch.command)
+        if (unservable := await self._adapters_unservable(launch)) is not None:
+            return StartOutcome(unservable, launch.command)
 
         hub = asyncio.create_task(self._check_hub(launch))
         tried: list[str] = []
@@ -188,17 +181,8 @@ class Startup:
                 self.progress.read_phase_from(self.process.timeline.latest)
                 attempt = await self._attempt(self.process, launch, hub)
                 start = Start(env, launch.command, cache.path)
-                decision: Decision | None = self._decide(attempt, start, tried)
-                down_since = self._clock()
-                while isinstance(decision, WaitForHub):
-                    assert isinstance(attempt, HubDown)
-                    logger.warning("startup: the Hub did not answer for %s; asking again in "
-                                   "%g s", ", ".join(t.repo for t, _ in attempt.outage.repos),
-                                   decision.delay)
-                    await self._sleep(decision.delay)
-                    down = await self._ask_hub_again(launch, attempt, down_since)
-                    decision = None if down is None else self._decide(down, start, tried)
-                    attempt = down or attempt
+                decision = await self._after_hub_waits(
+                    launch, attempt, self._decide(attempt, start, tried), start, tried)
                 if decision is None:
                     logger.info("startup: the Hub answers again: launching vLLM again")
                     hub = asyncio.create_task(self._check_hub(launch))
@@ -226,6 +210,37 @@ class Startup:
         return decide(attempt, start, tried, startup_timeout=self.settings.startup_timeout,
                       hub_retry_timeout=self.settings.hub_retry_timeout,
                       oom_relaunch=self.settings.oom_relaunch, mask=self._masker.mask)
+
+    async def _adapters_unservable(self, launch: Launch) -> WorkerError | None:
+        """Why the launch's LoRA adapters cannot be served (their folder is missing, or vLLM's
+        Python lacks the bucket's resolver); None when they can. Logs their warnings."""
+        adapters = adapter_sources(launch)
+        for warning in adapters.warnings:
+            logger.warning("%s", warning)
+        if (no_folder := missing_adapter_folder(adapters)) is not None:
+            return no_folder
+        if adapters.bucket is not None:
+            return await asyncio.to_thread(self._bucket_plugin, launch, adapters.bucket)
+        return None
+
+    async def _after_hub_waits(
+        self, launch: Launch, attempt: Attempt, decision: Decision, start: Start,
+        tried: list[str],
+    ) -> Decision | None:
+        """The decision once the policy no longer waits for the Hub: while it says wait, the
+        Hub is asked again after each delay; None when it answers (vLLM is to be relaunched)."""
+        now: Decision | None = decision
+        down_since = self._clock()
+        while isinstance(now, WaitForHub):
+            assert isinstance(attempt, HubDown)
+            logger.warning("startup: the Hub did not answer for %s; asking again in "
+                           "%g s", ", ".join(t.repo for t, _ in attempt.outage.repos),
+                           now.delay)
+            await self._sleep(now.delay)
+            down = await self._ask_hub_again(launch, attempt, down_since)
+            now = None if down is None else self._decide(down, start, tried)
+            attempt = down or attempt
+        return now
 
     async def _ask_hub_again(
         self, launch: Launch, down: HubDown, since: float
