@@ -248,29 +248,9 @@ class QueueWorker:
         pacer = self._pacer or Pacer(self.settings.max_concurrency or 1)
         jobs = self._job_loop_factory(self._noting_first_job(handler), pacer, stats)
         self._jobs = jobs
-
-        def on_signal(sig: signal.Signals) -> None:
-            self._signalled()
-            drain = self.settings.stop.drain
-            logger.info("%s: no new jobs; draining %d in flight for up to %g s (of the %g s "
-                        "WORKER_STOP_GRACE)", sig.name, jobs.jobs_in_flight, drain,
-                        self.settings.stop_grace)
-            if proxy is not None:
-                proxy.drain(drain)
-            jobs.stop(drain)
-
-        # The SDK's system checks (GPU test, memory, disk) run once vLLM is up, as they do
-        # for a worker that loads its engine before runpod.serverless.start: run during
-        # vLLM's load, a GPU test would disturb vLLM's own measuring of free GPU memory.
-        if local is None:  # the platform's checks of a worker, and its heartbeat
-            await run_fitness_checks()
-            # The ping process is forked here: it must inherit the default SIGTERM action, or
-            # the SDK's exit-time terminate() cannot stop it and the worker never exits.
-            start_heartbeat()
-        else:
-            await local.start()
+        await self._open(local)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
+            loop.add_signal_handler(sig, self._stop_on_signal, sig, jobs, proxy)
         process = self.startup.process
         if proxy is not None and process is not None:
             process.on_exit_in(loop, lambda code: self._on_vllm_death(code, proxy, jobs))
@@ -302,6 +282,35 @@ class QueueWorker:
             if local is not None:
                 await local.stop()
         return self._exit_code
+
+    @staticmethod
+    async def _open(local: LocalApi | None) -> None:
+        """Open to jobs: the platform's checks of a worker and its heartbeat, or ``local``'s
+        API started (local mode).
+
+        The SDK's system checks (GPU test, memory, disk) run once vLLM is up, as they do for a
+        worker that loads its engine before runpod.serverless.start: run during vLLM's load, a
+        GPU test would disturb vLLM's own measuring of free GPU memory.
+        """
+        if local is None:
+            await run_fitness_checks()
+            # The ping process is forked here: it must inherit the default SIGTERM action, or
+            # the SDK's exit-time terminate() cannot stop it and the worker never exits.
+            start_heartbeat()
+        else:
+            await local.start()
+
+    def _stop_on_signal(self, sig: signal.Signals, jobs: JobLoop, proxy: Proxy | None) -> None:
+        """SIGTERM or SIGINT: take no new job, and let those in flight (and the batches'
+        lines) end within the stop's drain."""
+        self._signalled()
+        drain = self.settings.stop.drain
+        logger.info("%s: no new jobs; draining %d in flight for up to %g s (of the %g s "
+                    "WORKER_STOP_GRACE)", sig.name, jobs.jobs_in_flight, drain,
+                    self.settings.stop_grace)
+        if proxy is not None:
+            proxy.drain(drain)
+        jobs.stop(drain)
 
     def _noting_first_job(self, handler: Handler) -> Handler:
         """The handler, logging when the first job arrives: the end of the cold start."""
