@@ -114,8 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = (args.served_model_name or [None])[0] or args.model or args.model_flag or "fake-model"
     if os.environ.get("FAKE_VLLM_ENGINE"):
         start_engine()
-    # FAKE_VLLM_START_DELAY: seconds of "loading" before the server listens, as vLLM's do.
+    # FAKE_VLLM_START_DELAY: seconds of "loading" before the server listens, as vLLM's do;
+    # FAKE_VLLM_START_GATE: a file, "loading" until it exists (a test that must see the worker
+    # while vLLM starts opens the gate once it has seen that, instead of racing a delay).
     time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY") or 0))
+    if gate := os.environ.get("FAKE_VLLM_START_GATE"):
+        while not os.path.exists(gate):
+            time.sleep(0.05)
     _log(f"fake vLLM API server (model {model!r}) on {args.host}:{args.port}")
     ForegroundFakeOpenAI(model, args.host, args.port).serve_forever()
     return 0

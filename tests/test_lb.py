@@ -1,8 +1,8 @@
 """Load-balancer mode against the stand-in vLLM: health from the start, the relay, failures.
 
-The stand-in (tests/fake_vllm.py) "loads" for FAKE_VLLM_START_DELAY seconds, then serves
-known bytes, so these tests are fast and exact; tests/test_e2e_lb.py runs the same mode on
-the real CPU vLLM with the official clients.
+The stand-in (tests/fake_vllm.py) serves known bytes (once a test that must see vLLM's start
+opens its FAKE_VLLM_START_GATE), so these tests are fast and exact; tests/test_e2e_lb.py runs
+the same mode on the real CPU vLLM with the official clients.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ def start_lb(tmp_path: Path) -> Iterator[StartLb]:
 
     def start(extra: dict[str, str] | None = None, *, separate_health_port: bool = False,
               vllm: Path | None = None) -> LbWorker:
-        env = {**fake_vllm_env(tmp_path, executable=vllm), "FAKE_VLLM_START_DELAY": "1.5",
-               **(extra or {})}
+        env = {**fake_vllm_env(tmp_path, executable=vllm), **(extra or {})}
         lb = start_lb_worker(env, tmp_path / f"lb-{len(started)}.log",
                              separate_health_port=separate_health_port)
         started.append(lb)
@@ -54,14 +53,18 @@ def after_first_answer(statuses: list[int | None]) -> list[int | None]:
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["same-port", "own-health-port"])
-def test_health_is_204_while_vllm_starts_then_200(start_lb: StartLb, separate: bool) -> None:
-    lb = start_lb(separate_health_port=separate)
+def test_health_is_204_while_vllm_starts_then_200(
+    start_lb: StartLb, separate: bool, tmp_path: Path,
+) -> None:
+    gate = tmp_path / "vllm-loaded"  # vLLM "loads" until this file exists
+    lb = start_lb({"FAKE_VLLM_START_GATE": str(gate)}, separate_health_port=separate)
     lb.wait_for_status(204, timeout=60)
     # A request before vLLM is ready: 503, Retry-After, an OpenAI-style error; no hang.
     early = httpx.post(f"{lb.url}/v1/completions", json={"prompt": "x"}, timeout=5)
     assert early.status_code == 503 and early.headers["retry-after"] == "5"
     assert early.json()["error"]["type"] == "backend_unavailable"
     assert "still starting" in early.json()["error"]["message"]
+    gate.touch()
     lb.wait_for_status(200, timeout=60)
     lb.health.stop()
     assert after_first_answer(lb.health.statuses()) == [204, 200]
