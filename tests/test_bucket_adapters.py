@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from lora_bucket.answers import ANSWERS, note
 from lora_bucket.checks import BucketUri, judge_config, name_problem, parse_uri
 from lora_bucket.disk import Entry, lru_first, to_free
 from lora_bucket.resolver import settings_of
@@ -20,7 +22,7 @@ from lora_bucket.resolver import settings_of
 from tests.launches import launch_of
 from tests.test_bucket_fetch import BASE, ROOT, adapter
 from worker.errors import ConfigError
-from worker.model.adapters import adapter_sources
+from worker.model.adapters import BucketAnswer, adapter_sources, read_bucket_answer
 from worker.model.bucket_adapters import (
     ADMIN_ROUTES,
     VllmPlugins,
@@ -229,10 +231,56 @@ def test_a_job_naming_no_adapter_of_the_bucket_is_told_where_the_worker_looked()
     sources = adapter_sources(launch_of({"MODEL_NAME": BASE, "ENABLE_LORA": "true",
                                          "LORA_ADAPTERS_URI": "s3://b/loras"}))
     vllm = {"message": "The model `nope` does not exist.", "param": "model", "code": 404}
-    told = sources.explain(404, vllm, "nope") or ""
-    assert "the bucket has no s3://b/loras/nope/adapter_config.json" in told
-    assert "upload the adapter to s3://b/loras/nope/" in told
-    told = sources.explain(404, {**vllm, "message": "x"}, "../nope") or ""
+    config = "s3://b/loras/nope/adapter_config.json"
+    asked: list[tuple[str, str]] = []
+
+    def answered(said: BucketAnswer | None) -> Callable[[str, str], BucketAnswer | None]:
+        def answer(path: str, name: str) -> BucketAnswer | None:
+            asked.append((path, name))
+            return said
+        return answer
+
+    told = sources.explain(404, vllm, "nope", answer=answered(BucketAnswer("missing", "x")))
+    assert f"the bucket has no {config}" in (told or "")
+    assert "upload the adapter to s3://b/loras/nope/" in (told or "")
+    assert "s3:ListBucket" not in (told or "")
+    # S3 answered 403: what it means, named, and the permissions to give.
+    told = sources.explain(404, vllm, "nope",
+                           answer=answered(BucketAnswer("forbidden", "AccessDenied"))) or ""
+    assert (f"the store refused to read {config} (AccessDenied): S3 answers so for an object "
+            "that is not there when the keys may not list the bucket (s3:ListBucket), and for "
+            "one they may not read (s3:GetObject)") in told
+    assert "Fix: give the keys in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the role) " \
+        "s3:ListBucket and s3:GetObject on the bucket; or upload the adapter" in told
+    # No answer kept (two writers at once): the worker says it does not know which.
+    told = sources.explain(404, vllm, "nope", answer=answered(None)) or ""
+    assert f"the bucket's resolver found no {config} (S3's answer was not kept" in told
+    assert asked == [(sources.bucket_answers, "nope")] * 3
+    told = sources.explain(404, {**vllm, "message": "x"}, "../nope", answer=answered(None)) or ""
+    assert len(asked) == 3  # a name the resolver never asks S3 about: no answer read
     assert "the bucket s3://b/loras was not asked: '../nope' is not a plain name" in told
     # What the resolver said (a 500 with its message) stands as it is.
     assert sources.explain(500, {"message": "The store refused ..."}, "sql") is None
+
+
+@pytest.mark.parametrize("uri", ["s3://b/loras", "s3://b/loras/", "s3://b", "s3://b//a//b/"])
+def test_the_worker_reads_the_answers_where_the_resolver_writes_them(uri: str) -> None:
+    launch = launch_of({"MODEL_NAME": BASE, "ENABLE_LORA": "true", "LORA_ADAPTERS_URI": uri})
+    settings = settings_of(launch.env)
+    assert not isinstance(settings, str) and settings is not None
+    assert adapter_sources(launch).bucket_answers == str(settings.root / ANSWERS)
+
+
+def test_the_answer_is_read_from_the_resolvers_file(tmp_path: Path) -> None:
+    path = tmp_path / ANSWERS
+    note(tmp_path, "sql", "forbidden", "AccessDenied")
+    note(tmp_path, "nope", "missing", "NoSuchKey")
+    assert read_bucket_answer(str(path), "sql") == BucketAnswer("forbidden", "AccessDenied")
+    assert read_bucket_answer(str(path), "nope") == BucketAnswer("missing", "NoSuchKey")
+    assert read_bucket_answer(str(path), "other") is None
+    assert read_bucket_answer(str(tmp_path / "none"), "sql") is None
+    path.write_text('{"sql": "forbidden"}')
+    assert read_bucket_answer(str(path), "sql") is None
+    path.write_text("[]")
+    assert read_bucket_answer(str(path), "sql") is None
+

@@ -18,10 +18,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from lora_bucket.answers import ANSWERS, KEPT, note, updated
 from lora_bucket.checks import AdapterError, BucketUri
 from lora_bucket.disk import MARKER, RESERVED, AdapterDisk
 from lora_bucket.fetch import Fetcher
@@ -151,12 +153,60 @@ def test_a_name_the_bucket_does_not_have_is_left_to_the_other_resolvers(
 
 def test_a_name_the_bucket_does_not_have_leaves_no_file(store: FakeS3, tmp_path: Path) -> None:
     """A job naming a model of another provider, or a typo: the bucket is asked, and nothing
-    is written for the name (no lock of it stays in the folder)."""
+    is written for the name (no lock of it stays in the folder); S3's answer is kept in the
+    one file of answers, which holds the latest names only."""
     fetch = fetcher(store, tmp_path)
     for name in ("gpt-4o", "nope", "gpt-4o"):
         assert fetch.fetch(name) is None
-    assert list(tmp_path.rglob("*")) == []
+    assert list(tmp_path.rglob("*")) == [tmp_path / ANSWERS]
+    assert json.loads((tmp_path / ANSWERS).read_text()) == {
+        "nope": {"answer": "missing", "code": "NoSuchKey"},
+        "gpt-4o": {"answer": "missing", "code": "NoSuchKey"}}
+    for index in range(KEPT + 10):
+        assert fetch.fetch(f"typo-{index}") is None
+    kept = json.loads((tmp_path / ANSWERS).read_text())
+    assert list(kept) == [f"typo-{index}" for index in range(10, KEPT + 10)]
+    assert list(tmp_path.rglob("*")) == [tmp_path / ANSWERS]
     assert fetch.fetch("sql") == tmp_path / "sql"  # one the bucket has: fetched as before
+
+
+def test_keys_that_may_not_read_the_bucket_get_not_found_and_the_answer_is_kept(
+    store: FakeS3, tmp_path: Path
+) -> None:
+    """S3 answers 403 for an object that is not there to keys that may not list the bucket,
+    as for one they may not read: the resolver answers "not found" (vLLM's 404, not a 500)
+    and keeps S3's answer for the worker's message."""
+    lines: list[str] = []
+    fetch = replace(fetcher(store, tmp_path, env=store.keys_allowed("s3:PutObject")),
+                    log=lines.append)
+    store.refuse_unknown_keys()
+    try:
+        assert fetch.fetch("sql") is None
+        assert fetch.fetch("typo") is None
+    finally:
+        store.refuse_unknown_keys(False)
+    kept = json.loads((tmp_path / ANSWERS).read_text())
+    assert kept == {"sql": {"answer": "forbidden", "code": "AccessDenied"},
+                    "typo": {"answer": "forbidden", "code": "AccessDenied"}}
+    assert list(tmp_path.rglob("*")) == [tmp_path / ANSWERS]
+    assert lines[0] == ("LoRA adapters: the store refused to read the adapter_config.json of "
+                        "'sql' in s3://adapters/loras (AccessDenied); vLLM answers 404")
+    # With keys that may read, the same name is fetched, and its answer is no longer asked.
+    assert fetcher(store, tmp_path).fetch("sql") == tmp_path / "sql"
+
+
+def test_the_answers_file_survives_what_is_written_over_it(tmp_path: Path) -> None:
+    assert json.loads(updated("not json", "a", "missing", "NoSuchKey")) == {
+        "a": {"answer": "missing", "code": "NoSuchKey"}}
+    assert json.loads(updated("[1]", "a", "forbidden", "AccessDenied")) == {
+        "a": {"answer": "forbidden", "code": "AccessDenied"}}
+    # The newest last: a name asked again moves to the end.
+    text = updated(updated(updated("", "a", "missing", "x"), "b", "missing", "x"),
+                   "a", "forbidden", "y")
+    assert list(json.loads(text)) == ["b", "a"]
+    # A root that cannot be written keeps nothing and fails nothing.
+    (tmp_path / "file").write_text("")
+    note(tmp_path / "file", "a", "missing", "NoSuchKey")
 
 
 def test_a_fetch_counts_toward_the_bound_until_it_is_in_place(
@@ -221,16 +271,18 @@ def test_an_adapter_vllm_would_not_take_is_told_why(
 
 
 def test_keys_the_store_refuses(store: FakeS3, tmp_path: Path) -> None:
-    fetch = fetcher(store, tmp_path)
+    """Keys that may read an adapter's config but not list its folder: the fetch fails with
+    what the store refused (the config read refused: not found, the test above)."""
+    fetch = fetcher(store, tmp_path, env=store.keys_allowed("s3:GetObject"))
     store.refuse_unknown_keys()
     try:
         with pytest.raises(AdapterError) as raised:
-            fetch.fetch("chat")
+            fetch.fetch("sql")
     finally:
         store.refuse_unknown_keys(False)
     message = survives_vllm(no_secret(str(raised.value)))
-    assert message.startswith("The store refused to read the adapter_config.json of the adapter "
-                              "'chat' in s3://adapters/loras (InvalidAccessKeyId)")
+    assert message.startswith("The store refused to list the files of the adapter 'sql' in "
+                              "s3://adapters/loras (AccessDenied)"), message
     assert "s3:GetObject and s3:ListBucket" in message
 
 

@@ -276,6 +276,18 @@ def test_a_missing_adapter_is_told_where_the_worker_looked(bed: Bed) -> None:
     assert f"This worker serves {SERVED}." in message
     assert f"Fix: put the adapter in {bed.loras / 'nope'}" in message
     assert f"the bucket has no s3://{BUCKET}/adapters/nope/adapter_config.json" in message
+    # Keys the store refuses: S3's 403 (also its answer for a missing object to keys that may
+    # not list the bucket) is vLLM's 404, and the job is told what the store said.
+    bed.volume.s3.refuse_unknown_keys()
+    try:
+        refused = bed.error({"prompt": "Hi", "model": "refused"})
+    finally:
+        bed.volume.s3.refuse_unknown_keys(False)
+    assert refused["code"] == 404, refused
+    assert (f"the store refused to read s3://{BUCKET}/adapters/refused/adapter_config.json "
+            "(InvalidAccessKeyId): S3 answers so for an object that is not there when the keys "
+            "may not list the bucket (s3:ListBucket)") in refused["message"], refused
+    assert "s3:ListBucket and s3:GetObject on the bucket" in refused["message"]
     # An allowed repo's folder that holds no adapter.
     assert "the allowed repo acme/multi has no adapter in 'nope'" in bed.error(
         {"prompt": "Hi", "model": "acme/multi/nope"})["message"]

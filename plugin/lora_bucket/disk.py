@@ -10,6 +10,7 @@ Layout, per ``LORA_ADAPTERS_URI``::
     <root>/.locks/<name>.fetch     held (exclusive) while <name> is fetched
     <root>/.locks/<name>.use       held (shared) by every vLLM that resolved <name>, for its life
     <root>/.locks/.evict           held (exclusive) while room is made
+    <root>/.lora-bucket.answers.json   S3's answers for names not given to vLLM (answers.py)
 
 The locks are ``flock`` locks, so they hold across processes (two workers on one volume) and
 go with the process that held them (a fetch killed halfway leaves no lock). Only folders with

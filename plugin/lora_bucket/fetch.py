@@ -7,7 +7,8 @@ worker or another on the volume) is used as it is; else, under the name's fetch 
 folder is listed, room is made under the bound, and its files are written to a folder that is
 renamed into place once complete. Every failure is an
 :class:`~lora_bucket.checks.AdapterError` naming the adapter's URI; a name the bucket does not
-have is None (vLLM then asks its other resolvers, and answers 404).
+have, or whose config S3 refused to read (403), is None (vLLM then asks its other resolvers,
+and answers 404), S3's answer kept for the worker (:mod:`lora_bucket.answers`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lora_bucket import answers
 from lora_bucket.checks import DOCS, AdapterError, BucketUri, judge_config, name_problem
 from lora_bucket.disk import MARKER, RESERVED, AdapterDisk
 from lora_bucket.store import Store, StoreError
@@ -103,12 +105,19 @@ class Fetcher:
                 self.disk.release(name)
 
     def _config(self, name: str) -> bytes | None:
-        """The adapter's ``adapter_config.json``; None when the bucket has none."""
+        """The adapter's ``adapter_config.json``; None when the bucket has none, or when S3
+        refused the read: it answers so (403) for an object that is not there to keys that
+        may not list the bucket, and vLLM then answers 404, as for any name no resolver has.
+        S3's answer is kept for the worker's message (:mod:`lora_bucket.answers`)."""
         prefix = self.source.uri()
         try:
             return self.store.get(self.source.key(name, CONFIG))
         except StoreError as exc:
-            if exc.kind == "missing":
+            if exc.kind in ("missing", "forbidden"):
+                answers.note(self.disk.root, name, exc.kind, exc.code)
+                if exc.kind == "forbidden":
+                    self.log(f"LoRA adapters: the store refused to read the {CONFIG} of "
+                             f"{name!r} in {prefix} ({exc.code}); vLLM answers 404")
                 return None
             raise AdapterError(explain_store_error(
                 exc, "read", f"the {CONFIG} of the adapter {name!r} in {prefix}",

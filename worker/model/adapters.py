@@ -36,7 +36,7 @@ from worker.config.values import is_true
 from worker.errors import ConfigError
 from worker.model.bucket_adapters import PLUGIN as BUCKET_PLUGIN
 from worker.model.bucket_adapters import URI_VARIABLE as BUCKET_VARIABLE
-from worker.model.bucket_adapters import plain_name_problem
+from worker.model.bucket_adapters import answers_path, plain_name_problem
 
 RUNTIME_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
@@ -105,6 +105,29 @@ def look_in_folder(
 
 
 @dataclass(frozen=True)
+class BucketAnswer:
+    """What S3 answered the bucket's resolver for a name it did not give to vLLM:
+    ``missing`` (404) or ``forbidden`` (403; S3's ``code``, e.g. ``AccessDenied``)."""
+
+    answer: str
+    code: str
+
+
+def read_bucket_answer(path: str, name: str,
+                       read: Callable[[str], str] = read_text) -> BucketAnswer | None:
+    """``name``'s answer in the resolver's file of S3's answers at ``path``
+    (plugin/lora_bucket/answers.py); None when the file does not have it (two writers at once
+    may have lost it) or cannot be read."""
+    try:
+        entry = json.loads(read(path)).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict) or entry.get("answer") not in ("missing", "forbidden"):
+        return None
+    return BucketAnswer(str(entry["answer"]), str(entry.get("code") or "")[:80])
+
+
+@dataclass(frozen=True)
 class AdapterSources:
     """Where the launch's vLLM looks for an adapter a job names, and what that needs.
 
@@ -118,6 +141,9 @@ class AdapterSources:
     hub_repos: tuple[str, ...] = ()
     bucket: str | None = None
     """``LORA_ADAPTERS_URI`` (without a last slash) when the bucket's resolver is on."""
+    bucket_answers: str | None = None
+    """The resolver's file of what S3 answered for the names it did not give
+    (:func:`read_bucket_answer`)."""
     base_model: str | None = None
     served_names: tuple[str, ...] = ()
     static_adapters: tuple[str, ...] = ()
@@ -157,18 +183,22 @@ class AdapterSources:
         vllm: Any,
         name: str | None,
         look: Callable[[str], FolderLook] | None = None,
+        answer: Callable[[str, str], BucketAnswer | None] = read_bucket_answer,
     ) -> str | None:
         """What to tell a job that named ``name`` and got ``status`` with vLLM's error object
         ``vllm``; None when the failure is not about an adapter (vLLM's message stands).
 
         ``look`` inspects ``<folder>/<name>`` (:func:`look_in_folder` by default), called only
-        for a failure about the job's model with the filesystem resolver on.
+        for a failure about the job's model with the filesystem resolver on; ``answer`` reads
+        what S3 answered the bucket's resolver for ``name`` (file, name), only for a 404.
         """
         if not name or name in self.served_names or name in self.static_adapters:
             return None
         message = _message_of(vllm)
         if status == 404 and isinstance(vllm, dict) and vllm.get("param") == "model":
-            return self._not_found(name, self._look(name, look))
+            said = (answer(self.bucket_answers, name) if self.bucket_answers is not None
+                    and self.bucket is not None and plain_name_problem(name) is None else None)
+            return self._not_found(name, self._look(name, look), said)
         if not self.per_job:
             return None
         if status == 400 and _FOUND_NOT_LOADED in message:
@@ -190,7 +220,8 @@ class AdapterSources:
             served += f" and the adapters {_names(self.static_adapters)} (LORA_MODULES)"
         return served + "."
 
-    def _not_found(self, name: str, look: FolderLook | None) -> str:
+    def _not_found(self, name: str, look: FolderLook | None,
+                   answer: BucketAnswer | None) -> str:
         if not self.per_job:
             why = self._why_not_per_job()
             return (
@@ -208,7 +239,10 @@ class AdapterSources:
                 where.append(f"the bucket {self.bucket} was not asked: {name!r} is not a plain "
                              f"name ({problem})")
             else:
-                where.append(f"the bucket has no {self.bucket}/{name}/adapter_config.json")
+                where.append(_bucket_clause(f"{self.bucket}/{name}/adapter_config.json",
+                                            answer))
+                if answer is not None and answer.answer == "forbidden":
+                    fixes.append(_PERMISSIONS_FIX)
                 fixes.append(f"upload the adapter to {self.bucket}/{name}/ (adapter_config.json "
                              "and adapter_model.safetensors, as PEFT saves them)")
         if self.hub_repos:
@@ -279,6 +313,24 @@ class AdapterSources:
             f"vLLM's Hub resolver could not read the repo {repo} (allowed by "
             f"{REPOS_VARIABLE}) for the adapter {name!r}: {said}. Fix: {fix}"
         )
+
+
+_PERMISSIONS_FIX = ("give the keys in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the "
+                    "role) s3:ListBucket and s3:GetObject on the bucket")
+
+
+def _bucket_clause(config: str, answer: BucketAnswer | None) -> str:
+    """What the bucket's resolver found for ``config`` (an adapter's config's URI), as S3
+    answered it."""
+    if answer is None:
+        return (f"the bucket's resolver found no {config} (S3's answer was not kept: it "
+                "answers 404 for an object that is not there, or 403 to keys that may not "
+                "list the bucket)")
+    if answer.answer == "missing":
+        return f"the bucket has no {config}"
+    return (f"the store refused to read {config} ({answer.code or '403'}): S3 answers so for "
+            "an object that is not there when the keys may not list the bucket "
+            "(s3:ListBucket), and for one they may not read (s3:GetObject)")
 
 
 def _gist(message: str, limit: int = 300) -> str:
@@ -392,6 +444,7 @@ def adapter_sources(launch: Launch) -> AdapterSources:
         folder=registered.folder,
         hub_repos=registered.repos,
         bucket=registered.bucket,
+        bucket_answers=answers_path(env) if registered.bucket is not None else None,
         base_model=command.model,
         served_names=command.served_model_names or ((command.model,) if command.model else ()),
         static_adapters=tuple(module.name for module in command.lora_modules),

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from worker.config.routes import DOCS, RUNTIME_VARIABLE, URI_VARIABLE, closed_route_problem
 from worker.errors import ConfigError, StartupError
 
-__all__ = ["ADMIN_ROUTES", "URI_VARIABLE", "BucketAdapters", "VllmPlugins", "bucket_adapters",
-           "closed_route_problem", "missing_plugin", "plain_name_problem", "vllm_plugins"]
+__all__ = ["ADMIN_ROUTES", "URI_VARIABLE", "BucketAdapters", "VllmPlugins", "answers_path",
+           "bucket_adapters", "closed_route_problem", "missing_plugin", "plain_name_problem",
+           "vllm_plugins"]
 
 DIR_VARIABLE = "LORA_ADAPTERS_DIR"
 DISK_VARIABLE = "LORA_ADAPTERS_DISK_GIB"
@@ -46,6 +47,10 @@ INSTALL_STEP = "scripts/install_adapter_plugin.py"
 _PLUGINS_QUERY_TIMEOUT = 20.0
 #: vLLM's routes that VLLM_ALLOW_RUNTIME_LORA_UPDATING opens.
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+#: The plugin's file of what S3 answered for the names it did not give to vLLM
+#: (plugin/lora_bucket/answers.py), in its root for the URI.
+ANSWERS = ".lora-bucket.answers.json"
 
 #: The plugin's rule (plugin/lora_bucket/checks.py, name_problem): the same names pass.
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
@@ -62,6 +67,18 @@ def plain_name_problem(name: str) -> str | None:
     if not _PLAIN.fullmatch(name):
         return "a plain name is 1 to 128 letters, digits, '.', '_' or '-', not starting with a dot"
     return None
+
+
+def answers_path(env: Mapping[str, str]) -> str | None:
+    """The plugin's :data:`ANSWERS` for vLLM's environment ``env``: in its root for
+    ``LORA_ADAPTERS_URI``, ``<LORA_ADAPTERS_DIR>/<bucket>/<prefix, or _>`` (the plugin's
+    ``settings_of``); None without the URI or the folder (the worker sets the folder)."""
+    value, folder = env.get(URI_VARIABLE, "").strip(), env.get(DIR_VARIABLE, "").strip()
+    if not value.startswith("s3://") or not folder:
+        return None
+    bucket, _, prefix = value.removeprefix("s3://").partition("/")
+    parts = [part for part in prefix.split("/") if part]
+    return os.path.join(folder, bucket, "/".join(parts) or "_", ANSWERS)
 
 
 @dataclass(frozen=True)
