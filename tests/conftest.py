@@ -28,6 +28,7 @@ from tests.tiny_model import build_tiny_model, build_tiny_vlm, build_tiny_whispe
 from tests.tiny_model import tiny_env as tiny_env_of
 from tests.tiny_model import whisper_env as whisper_env_of
 from tests.worker_process import WorkerProcess, error_lines
+from worker.jobs import sdk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +55,10 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop(name, None)
     os.environ["XDG_CACHE_HOME"] = str(base / "cache")
     os.environ["HF_HOME"] = str(base / "hf-home")
+    # The runpod SDK as the worker imports it (worker/jobs/sdk.py), before the test modules
+    # that import it directly: their collection would otherwise run py-cpuinfo's probe of
+    # the CPU (about 1.2 s) for a name no test of this process reads.
+    sdk.load()
 
 
 @pytest.hookimpl(wrapper=True)
