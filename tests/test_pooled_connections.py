@@ -12,35 +12,41 @@ timing: it resets the next request on that connection whenever it comes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.fake_job_api import FakeJobApi
 from tests.fake_vllm import free_port, launch_worker
+from tests.proc_stats import sample
 from tests.soak import metric
+from tests.worker_process import WorkerProcess, wait_until
 from worker.config.resolved import PROXY_IDLE_SECONDS
 
 
 @pytest.fixture(scope="module")
-def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeJobApi, int]]:
+def serving(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[FakeJobApi, WorkerProcess, int]]:
     tmp = tmp_path_factory.mktemp("connections")
     with FakeJobApi() as api:
         port = free_port()
         worker = launch_worker(api.env(), tmp, model="fake-model", concurrency=4, port=port)
         try:
-            yield api, port
+            yield api, worker, port
         finally:
             worker.kill()
 
 
 def test_a_connection_vllm_closes_after_a_500_costs_the_next_job_nothing(
-    serving: tuple[FakeJobApi, int],
+    serving: tuple[FakeJobApi, WorkerProcess, int],
 ) -> None:
-    api, port = serving
-    # The pool's connections expire: the two jobs below share the one the first opens.
-    time.sleep(PROXY_IDLE_SECONDS + 0.5)
+    api, worker, port = serving
+    # The two jobs below share the one connection the first opens: the worker holds none to
+    # vLLM before it (any it held expire after PROXY_IDLE_SECONDS, and the pool takes its
+    # oldest first).
+    wait_until(lambda: sample(worker.pid, (port,)).to(port) == 0,
+               f"the worker's connections to vLLM never expired ({PROXY_IDLE_SECONDS:g} s idle)")
     failed = api.wait_done(api.submit({"openai_route": "/v1/completions", "openai_input": {
         "prompt": "x", "fake": {"status": 500, "drop_next": True}}}))
     assert failed.error is not None and failed.error["code"] == 500, failed.done
