@@ -14,6 +14,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -21,6 +22,7 @@ from runpod.http_client import AsyncClientSession
 from runpod.serverless.modules import rp_http
 
 from tests.fake_job_api import FakeJobApi, JobFaults
+from worker.jobs import jobapi
 from worker.jobs.jobapi import CONNECT_DELAYS, ReconnectingConnector, job_api_session
 
 
@@ -134,13 +136,33 @@ async def test_a_post_that_was_sent_is_never_sent_again(api: FakeJobApi) -> None
     assert api.jobs[job].done == {"output": ["the result"]}
 
 
-async def test_the_retry_is_bounded(api: FakeJobApi, caplog: pytest.LogCaptureFixture) -> None:
+class _Pauses:
+    """``asyncio`` as worker.jobs.jobapi sees it, but its pauses are recorded, not waited
+    out (the loop still turns once for each)."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float) -> None:
+        self.asked.append(delay)
+        await asyncio.sleep(0)
+
+
+async def test_the_retry_is_bounded(
+    api: FakeJobApi, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     job = api.submit({"prompt": "x"})
     refuse_now(api)  # past every retry: ended by the fixture
     caplog.set_level(logging.WARNING, logger="worker.jobapi")
+    pauses = _Pauses()
+    monkeypatch.setattr(jobapi, "asyncio", pauses)
     async with job_api_session() as session:
         await send_done(session, api, job)
     assert api.jobs[job].done is None and api.jobs[job].attempts == []
     # One attempt and one failure per pause, each pause the next of CONNECT_DELAYS; the
     # last attempt's failure ends the send.
     assert connect_failures(caplog) == list(CONNECT_DELAYS)
+    assert pauses.asked == list(CONNECT_DELAYS)
