@@ -588,12 +588,21 @@ async def test_keys_that_cannot_delete_leave_the_checks_object_and_it_is_said_on
 
 
 def https(answer: Callable[[httpx.Request], httpx.Response],
-          disk: Path | None = None) -> BatchFiles:
+          disk: Path | None = None, pauses: list[float] | None = None) -> BatchFiles:
     """Files over https answered by ``answer``; results a write did not take kept under
-    ``disk`` (its ``volume`` as BASE_PATH, its ``cache`` as the user's cache folder)."""
+    ``disk`` (its ``volume`` as BASE_PATH, its ``cache`` as the user's cache folder); the
+    pauses between a write's tries recorded in ``pauses`` and not waited, when given."""
     where = disk or Path("/nonexistent")
+
+    async def paused(seconds: float) -> None:
+        if pauses is None:
+            await asyncio.sleep(seconds)
+        else:
+            pauses.append(seconds)
+
     return BatchFiles(error_code=error_code, transport=httpx.MockTransport(answer),
-                      base_path=str(where / "volume"), cache_home=str(where / "cache"))
+                      base_path=str(where / "volume"), cache_home=str(where / "cache"),
+                      sleep=paused)
 
 
 def kept_file(folder: Path) -> Path:
@@ -691,8 +700,8 @@ async def test_a_write_that_keeps_failing_is_tried_again_where_a_retry_helps_and
     """A 5xx, a 429 and no connection are tried again, a 403 (an expired signature) is not;
     the results a write never took are kept on the volume, the file named, and are in the
     job's output too (they fit it)."""
-    monkeypatch.setattr(batch_files, "wait_exponential", lambda **_: lambda _: 0)
     puts: list[bytes] = []
+    pauses: list[float] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
         puts.append(request.content)
@@ -701,17 +710,50 @@ async def test_a_write_that_keeps_failing_is_tried_again_where_a_retry_helps_and
         return httpx.Response(status)
 
     (tmp_path / "volume").mkdir()
-    pieces = await run(proxy_for(HeldVllm(), files=https(answer, tmp_path)), {
+    pieces = await run(proxy_for(HeldVllm(), files=https(answer, tmp_path, pauses)), {
         "batch": [line("a"), line("b")], "output_url": "https://files.example/out.jsonl?s=X"})
     *parts, summary = pieces
     assert len(puts) == tries and sorted(r["custom_id"] for r in results_of(parts)) == [
         "a", "b"]
+    assert pauses == [1.0, 2.0][:tries - 1]  # no Retry-After: 1 s, then 2 s
     path = kept_file(tmp_path / "volume")
     assert ids_in(path) == ["a", "b"] and path.name.startswith("b-")
     assert summary["output_error"].endswith(
         f"The results are in this output, and kept in {path}, on the network volume at "
         f"{tmp_path / 'volume'}.")
     assert ("tried 3 times" in summary["output_error"]) == (tries == 3)
+
+
+@pytest.mark.parametrize(("asked", "pauses"), [
+    ("7", [7.0, 7.0]), ("0", [0.0, 0.0]), ("3600", [30.0, 30.0]),
+    ("Fri, 31 Dec 1999 23:59:59 GMT", [0.0, 0.0]), ("soon", [1.0, 2.0])],
+    ids=["seconds", "at-once", "capped", "a-date-past", "unreadable"])
+async def test_a_write_waits_what_the_store_asks_before_it_tries_again(
+    tmp_path: Path, asked: str, pauses: list[float]
+) -> None:
+    """A 503 or 429 with Retry-After: the next try comes after the pause asked for (at most
+    30 s), else after 1 s, then 2 s."""
+    waited: list[float] = []
+    puts: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        puts.append(request.content)
+        return httpx.Response(429 if len(puts) % 2 else 503, headers={"Retry-After": asked})
+
+    (tmp_path / "volume").mkdir()
+    await run(proxy_for(HeldVllm(), files=https(answer, tmp_path, waited)), {
+        "batch": [line("a")], "output_url": "https://files.example/out.jsonl"})
+    assert len(puts) == 3 and waited == pauses
+
+
+def test_retry_after_reads_seconds_and_dates() -> None:
+    now = datetime.datetime(2026, 12, 7, 12, 0, 0, tzinfo=datetime.UTC)
+    assert batch_files.retry_after("120", now) == 120.0
+    assert batch_files.retry_after(" 5 ", now) == 5.0
+    assert batch_files.retry_after("Mon, 07 Dec 2026 12:00:30 GMT", now) == 30.0
+    assert batch_files.retry_after("Mon, 07 Dec 2026 11:00:00 GMT", now) == 0.0
+    for unreadable in (None, "", "-1", "1.5", "tomorrow", "Mon, 07 Dec 2026 12:00:30"):
+        assert batch_files.retry_after(unreadable, now) is None, unreadable
 
 
 @pytest.mark.parametrize("volume", [True, False], ids=["volume", "no-volume"])

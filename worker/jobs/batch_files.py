@@ -14,8 +14,9 @@ server said (an S3 error's ``<Code>``, read by the model stage's
 that the job can say why its batch is unusable. One HTTP client serves every request of a
 :class:`BatchFiles`, and so keeps its connections for the next batch.
 
-The results' write is tried again where a retry can help (no connection, a 5xx, a 429), not
-where it cannot (a 403 of an expired or wrong signature). Results that it still could not
+The results' write is tried again where a retry can help (no connection, a 5xx, a 429), after
+the pause the store asked for (``Retry-After``, at most 30 s) or 1 s then 2 s, not where it
+cannot (a 403 of an expired or wrong signature). Results that it still could not
 write are kept on disk (:meth:`BatchFiles.keep`): on the network volume at ``BASE_PATH`` when
 there is one, else on the worker's own disk (:func:`results_dirs`), so that a batch's work is
 never lost with its write.
@@ -25,15 +26,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import email.utils
 import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from worker.errors import InvalidRequest
 from worker.jobs.batch_format import MAX_FILE_BYTES, FileUrl, shown
@@ -56,8 +65,43 @@ RESULTS_DIR = "batch-results"
 _RETRIED = 429
 
 
+#: The longest pause a store's Retry-After gets before the next try of a write (s): the
+#: job's lines are done and wait for it.
+MAX_RETRY_AFTER = 30.0
+
+
 class _Transient(Exception):
-    """A write that may succeed if tried again (no connection, a 5xx, a 429)."""
+    """A write that may succeed if tried again (no connection, a 5xx, a 429), and the pause
+    the server asked for first (its Retry-After), if it did."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def retry_after(value: str | None, now: datetime.datetime) -> float | None:
+    """The seconds a ``Retry-After`` header asks for, delay-seconds or an HTTP-date (RFC 9110,
+    10.2.3), none below 0; None when there is none or it cannot be read."""
+    if value is None or not (value := value.strip()):
+        return None
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max((when - now).total_seconds(), 0.0)
+
+
+def pause(state: RetryCallState) -> float:
+    """The pause before the next try of a write: what the server asked for (at most
+    :data:`MAX_RETRY_AFTER`), else 1 s, then 2 s."""
+    failed = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(failed, _Transient) and failed.retry_after is not None:
+        return min(failed.retry_after, MAX_RETRY_AFTER)
+    return float(wait_exponential(multiplier=1, max=4)(state))
 
 
 @dataclass(frozen=True)
@@ -118,8 +162,10 @@ class BatchFiles:
     def __init__(self, sign_s3: S3Signer | None = None, *, error_code: ErrorCode | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  timeout: float = 60.0, base_path: str = "/runpod-volume",
-                 cache_home: str | None = None) -> None:
+                 cache_home: str | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self._sign_s3 = sign_s3
+        self._sleep = sleep  # the pauses between the tries of a write
         self._error_code = error_code
         self._transport = transport
         self._timeout = timeout
@@ -190,8 +236,8 @@ class BatchFiles:
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_Transient),
-                stop=stop_after_attempt(WRITE_ATTEMPTS),
-                wait=wait_exponential(multiplier=1, max=4), reraise=True,
+                stop=stop_after_attempt(WRITE_ATTEMPTS), wait=pause, sleep=self._sleep,
+                reraise=True,
             ):
                 with attempt:
                     await self._put(target, data)
@@ -261,7 +307,8 @@ class BatchFiles:
         except httpx.HTTPError as exc:
             raise _Transient(self._unreachable(named, exc).message) from None
         if response.status_code >= 500 or response.status_code == _RETRIED:
-            raise _Transient(self._refused(named, "written", response).message)
+            raise _Transient(self._refused(named, "written", response).message, retry_after(
+                response.headers.get("retry-after"), datetime.datetime.now(datetime.UTC)))
         if not 200 <= response.status_code < 300:
             raise self._refused(named, "written", response)
 
