@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from tests.fake_job_api import SHUTDOWN_POLL
+
 #: Files the Hub stores with LFS (their ETag is the sha256, as on huggingface.co).
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 EMPTY_AGENT_REGISTRY: dict[str, Any] = {"standardEnvVars": [], "harnesses": {}}
@@ -180,7 +182,8 @@ class FakeHub:
         self._release = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._make_handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        args=(SHUTDOWN_POLL,), daemon=True)
         self._first: HubRepo | None = None
         if repo_id is not None and folder is not None:
             self.add(repo_id, folder, gated=True, token=token)

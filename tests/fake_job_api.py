@@ -137,6 +137,11 @@ def _action_seconds(action: str) -> float:
     return float(action.split(":", 1)[1])
 
 
+#: How often a stand-in's listener (this one's, the Hub's, the S3 store's) looks for a
+#: shutdown: socketserver's default, 0.5 s, is what every test that closes one would wait.
+SHUTDOWN_POLL = 0.02
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # hundreds of concurrent jobs connect at once
@@ -175,7 +180,8 @@ class FakeJobApi:
         self._handler = self._make_handler()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler)
         self._port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        args=(SHUTDOWN_POLL,), daemon=True)
         self._connections: dict[socket.socket, bool] = {}  # open connection -> busy
         # Idle connections a restart closed: a request that was already on its way in on one
         # (read before the close, parsed after) is dropped unanswered, as by a real restart.
@@ -234,7 +240,8 @@ class FakeJobApi:
         self._close_idle_connections()
         self._back.wait(seconds)
         self._server = _QuietServer(("127.0.0.1", self._port), self._handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        args=(SHUTDOWN_POLL,), daemon=True)
         self._thread.start()
         with self._cond:
             self._down = False

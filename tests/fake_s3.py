@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from tests.fake_job_api import SHUTDOWN_POLL
+
 #: Keys moto accepts while its IAM check is off (it checks none then); never real ones.
 ACCESS_KEY_ID = "AKIAWORKERTESTS00001"
 SECRET_ACCESS_KEY = "worker-tests-secret-access-key-0123456789"
@@ -67,7 +69,8 @@ class FakeS3:
 
         self._server = make_server("127.0.0.1", 0, counting, threaded=True,
                                    request_handler=Quiet)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        args=(SHUTDOWN_POLL,), daemon=True,
                                         name="fake-s3")
         self._thread.start()
         self.url = f"http://127.0.0.1:{self._server.server_port}"

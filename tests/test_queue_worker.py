@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import StartWorker, free_port
-from tests.fake_job_api import FakeJobApi
+from tests.fake_job_api import SHUTDOWN_POLL, FakeJobApi
 from tests.launches import launch_of
 from worker.config.resolved import VllmCommand
 from worker.start.build import vllm_environment
@@ -81,7 +81,7 @@ class _FakeHub(BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_hub() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL,), daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
