@@ -11,7 +11,9 @@ import os
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,13 +137,27 @@ def test_an_abandoned_wait_for_the_exit_holds_nothing() -> None:
     # waits 0.5 s for the exit, then gives up. Each abandoned wait must let go of its
     # future: a worker that meets thousands of resets over days would otherwise keep them
     # all (found by the soak's reading of the job path, tests/test_soak.py).
+    # Every future and task of the loop the waits run on is followed by a weak reference:
+    # those still alive once the loop is gone and garbage collected are held.
     process = VllmProcess([sys.executable, "-c", "import time; time.sleep(60)"], {},
                           echo=io.StringIO())
     process.start()
+    made: list[weakref.ref[asyncio.Future[Any]]] = []
 
-    def futures_alive() -> int:
-        gc.collect()
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, asyncio.Future))
+    def counting_loop() -> asyncio.AbstractEventLoop:
+        loop = asyncio.new_event_loop()
+        create_future, create_task = loop.create_future, loop.create_task
+
+        def future() -> asyncio.Future[Any]:
+            made.append(weakref.ref(created := create_future()))
+            return created
+
+        def task(coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+            made.append(weakref.ref(created := create_task(coro, **kwargs)))
+            return created
+
+        loop.create_future, loop.create_task = future, task  # type: ignore[method-assign]
+        return loop
 
     async def abandon(times: int) -> None:
         for _ in range(times):
@@ -152,9 +168,11 @@ def test_an_abandoned_wait_for_the_exit_holds_nothing() -> None:
                 await exited
 
     try:
-        before = futures_alive()
-        asyncio.run(abandon(200))
-        held = futures_alive() - before
+        with asyncio.Runner(loop_factory=counting_loop) as runner:
+            runner.run(abandon(200))
+        gc.collect()
+        assert len(made) >= 400  # each wait's future and its task, all followed
+        held = sum(1 for ref in made if ref() is not None)
         process.stop(grace=1.0)
         assert process.returncode is not None
     finally:
