@@ -209,11 +209,20 @@ async def test_vllm_is_launched_again_once_the_hub_answers(tmp_path: Path) -> No
     async def flaky(launch: Launch, only: Collection[str] | None) -> PreflightResult:
         return _down(launch) if next(answers) == "down" else PreflightResult()
 
+    now, paused = [100.0], list[float]()
+
+    async def sleep(seconds: float) -> None:  # the pauses between the asks, not waited out
+        paused.append(seconds)
+        now[0] += seconds
+
     script = Script((Readiness.HEALTHY, []), (Readiness.HEALTHY, []))
-    outcome = await startup({"MODEL_NAME": "acme/x", "HF_HOME": str(tmp_path / "hf")}, script,
-                            tmp_path, hub_check=flaky, hub_retry_timeout=30).run()
+    start = startup({"MODEL_NAME": "acme/x", "HF_HOME": str(tmp_path / "hf")}, script,
+                    tmp_path, hub_check=flaky, hub_retry_timeout=30)
+    start._clock, start._sleep = (lambda: now[0]), sleep
+    outcome = await start.run()
     assert outcome.ready and outcome.tried == []
     assert [p.stopped for p in script.launches] == [True, False]
+    assert paused == [1.0, 1.0]  # asked at once, 1 s and 2 s after: down, down, then up
 
 
 @pytest.mark.parametrize("has_it", [False, True])
