@@ -374,22 +374,22 @@ def test_a_worker_killed_while_it_stops_vllm_during_a_download_leaves_no_vllm(
 def test_a_sigterm_during_the_start_stops_within_the_grace_in_queue_mode(
     job_api: FakeJobApi, queue_workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
-    worker = started(queue_worker(job_api, slow_start(tmp_path, WORKER_STOP_GRACE="3"),
+    worker = started(queue_worker(job_api, slow_start(tmp_path, WORKER_STOP_GRACE="2"),
                                   tmp_path / "worker.log", queue_workers))
     worker.signal(signal.SIGTERM)
     assert worker.wait(120) == 0
-    assert_stopped_within(worker, "stopped during start-up", grace=3)
+    assert_stopped_within(worker, "stopped during start-up", grace=2)
 
 
 def test_a_sigterm_during_the_start_stops_within_the_grace_in_lb_mode(tmp_path: Path) -> None:
-    lb = start_lb_worker(slow_start(tmp_path, WORKER_STOP_GRACE="3"), tmp_path / "lb.log")
+    lb = start_lb_worker(slow_start(tmp_path, WORKER_STOP_GRACE="2"), tmp_path / "lb.log")
     try:
         started(lb.worker)
         lb.worker.signal(signal.SIGTERM)
         assert lb.worker.wait(120) == 0
         # Requests in flight (none here) would have had the budget's drain.
-        assert "draining 0 request(s) for up to 1 s" in lb.worker.log()
-        assert_stopped_within(lb.worker, "SIGTERM: no new requests", grace=3)
+        assert "draining 0 request(s) for up to 0.5 s" in lb.worker.log()
+        assert_stopped_within(lb.worker, "SIGTERM: no new requests", grace=2)
     finally:
         lb.stop()
 
@@ -411,10 +411,10 @@ def assert_stopped_within(worker: WorkerProcess, signalled: str, grace: float) -
 def test_a_drain_longer_than_the_grace_allows_is_cut_to_what_it_leaves(
     job_api: FakeJobApi, queue_workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
-    """WORKER_DRAIN_TIMEOUT=30 under WORKER_STOP_GRACE=4: the job in flight (30 s of
-    stream) gets 1.5 s (1 s for the exit, the 3 s left in halves), then vLLM is stopped."""
+    """WORKER_DRAIN_TIMEOUT=30 under WORKER_STOP_GRACE=3: the job in flight (30 s of
+    stream) gets 1 s (1 s for the exit, the 2 s left in halves), then vLLM is stopped."""
     env = {**fake_vllm_env(tmp_path), "VLLM_PORT": str(free_port()),
-           "WORKER_STOP_GRACE": "4", "WORKER_DRAIN_TIMEOUT": "30"}
+           "WORKER_STOP_GRACE": "3", "WORKER_DRAIN_TIMEOUT": "30"}
     job_api.health_url = f"http://127.0.0.1:{env['VLLM_PORT']}/health"
     worker = queue_worker(job_api, env, tmp_path / "worker.log", queue_workers)
     worker.wait_for_log("taking jobs", timeout=120)
@@ -424,9 +424,9 @@ def test_a_drain_longer_than_the_grace_allows_is_cut_to_what_it_leaves(
     worker.signal(signal.SIGTERM)
     assert worker.wait(120) == 0
     log = worker.log()
-    cut = log.index("WORKER_DRAIN_TIMEOUT=30 is cut to 1.5 s by WORKER_STOP_GRACE=4")
+    cut = log.index("WORKER_DRAIN_TIMEOUT=30 is cut to 1 s by WORKER_STOP_GRACE=3")
     assert cut < log.index("taking jobs")  # said at start, not only when the stop comes
-    assert "SIGTERM: no new jobs; draining 1 in flight for up to 1.5 s (of the 4 s" in log
-    assert "1 job(s) still running after 1.5 s: cancelling them" in log
+    assert "SIGTERM: no new jobs; draining 1 in flight for up to 1 s (of the 3 s" in log
+    assert "1 job(s) still running after 1 s: cancelling them" in log
     assert not "".join(job_api.jobs[job].outputs).endswith("data: [DONE]\n\n")
     assert worker.vllm_processes_left() == []
