@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 _SCRUB = ("RUNPOD_", "VLLM_", "HF_", "MODEL_NAME", "MAX_", "ENFORCE_EAGER", "KV_CACHE")
 
 
+#: How often :meth:`WorkerProcess.wait_for_log` reads the log again (each test that waits for
+#: a line waits half of it on average).
+LOG_POLL = 0.02
+
+
 def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB)}
     env["PYTHONPATH"] = str(ROOT)
@@ -123,7 +128,7 @@ class WorkerProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {text!r} in the log after {timeout} s:\n"
                                    + self.log()[-3000:])
-            time.sleep(0.1)
+            time.sleep(LOG_POLL)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
