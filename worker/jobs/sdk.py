@@ -50,10 +50,13 @@ def load(read_proc_cpuinfo: Callable[[], str] = _read_proc_cpuinfo) -> None:
     if _DEBUGGER in sys.modules:
         return
     name = processor_name(read_proc_cpuinfo())
+    try:
+        import cpuinfo  # type: ignore[import-untyped]  # py-cpuinfo, the SDK's dependency
+    except ImportError:  # an SDK that no longer needs it: nothing to hand over
+        name = None
     if name is None:
         importlib.import_module("runpod")
         return
-    import cpuinfo  # type: ignore[import-untyped]  # py-cpuinfo, the SDK's dependency
 
     probe = cpuinfo.get_cpu_info
     cpuinfo.get_cpu_info = lambda: {"brand_raw": name}
