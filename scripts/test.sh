@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything (first run: a few minutes) and run the whole test suite, real-vLLM
 # tests included. Arguments go to pytest (one session, after the whole setup), e.g. the quick
-# tier (no vLLM, no image, no soak: the loop to work in)
-# `scripts/test.sh -m "not vllm and not image and not soak"`.
+# tier (no vLLM, no image, no soak: the loop to work in, on two processes of pytest-xdist)
+# `scripts/test.sh -m "not vllm and not image and not soak" -n 2`.
 #
 # Without arguments, the whole suite runs as three sessions. The tests that need nothing of
 # .venv-vllm (not `vllm`, not `image`: the quick tier and the soak against a stand-in vLLM;
