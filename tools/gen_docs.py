@@ -45,13 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.config.command import (  # noqa: E402 - after the path set-up above
-    _FORBIDDEN_PREFIXES,
-    ALIASES,
-    FORBIDDEN_FLAGS,
-    PINNED_FLAGS,
-    _reserved_reason,
-)
+from worker.config.command import ALIASES  # noqa: E402 - after the path set-up above
 from worker.config.flags import FlagCatalog, packaged_catalog_path  # noqa: E402
 from worker.config.names import COLLIDING_NAMES, EARLIER_NAMES, RETIRED  # noqa: E402
 from worker.config.request_fields import (  # noqa: E402
@@ -59,6 +53,12 @@ from worker.config.request_fields import (  # noqa: E402
     GUIDED_FIELDS,
     RETIRED_FIELDS,
     RequestKind,
+)
+from worker.config.reserved import (  # noqa: E402
+    FORBIDDEN_FLAGS,
+    FORBIDDEN_PREFIXES,
+    PINNED_FLAGS,
+    reserved_reason,
 )
 from worker.config.settings import SETTINGS, Setting, format_value  # noqa: E402
 from worker.config.versions import (  # noqa: E402
@@ -121,7 +121,7 @@ def aliases_table() -> str:
 def reserved_table() -> str:
     rows = [(f"`{flag}`", "set by the worker: " + reason) for flag, reason in PINNED_FLAGS.items()]
     rows += [(f"`{flag}`", reason) for flag, reason in FORBIDDEN_FLAGS.items()]
-    rows += [(f"`{prefix}*`", reason) for prefix, reason in _FORBIDDEN_PREFIXES.items()]
+    rows += [(f"`{prefix}*`", reason) for prefix, reason in FORBIDDEN_PREFIXES.items()]
     return _table(("Flag", "Why the environment cannot set it"), rows)
 
 
@@ -173,7 +173,7 @@ def versions_table() -> str:
     every = frozenset(history.versions)
     # Not the flags the worker never sets from a variable, nor other programs' names.
     never = {name for name, option in history.options.items()
-             if name in COLLIDING_NAMES or _reserved_reason(option) is not None}
+             if name in COLLIDING_NAMES or reserved_reason(option) is not None}
     rows = [(f"`{var}`", f"`{history.options[var]}`", ", ".join(history.spans(var)))
             for var in sorted(history.having) if history.having[var] != every
             and var not in never]

@@ -37,11 +37,12 @@ from worker.config.names import (
 )
 from worker.config.names import RETIRED as RETIRED
 from worker.config.render import LORA_FLAG, Rendered, render
+from worker.config.reserved import check_explicit_flag, reserved_reason
 from worker.config.resolved import FlagSetting, FlagSource, VllmCommand
 from worker.config.settings import WORKER_SETTING_NAMES
 from worker.config.versions import FlagHistory, packaged_history, range_warning
 from worker.errors import ConfigError
-from worker.secrets import SECRET_FLAGS, is_secret_name
+from worker.secrets import is_secret_name
 
 #: Names kept from the worker's earlier releases; they win over the generic name of the
 #: same flag (``MODEL_NAME`` over ``MODEL``).
@@ -58,31 +59,6 @@ ALIASES: Mapping[str, str] = {
 #: setting (a variable, the config file, VLLM_EXTRA_ARGS) wins. The image serves its model
 #: under the repo id it was built from, unless the endpoint names it otherwise.
 BAKED_DEFAULTS: frozenset[str] = frozenset({"SERVED_MODEL_NAME"})
-
-#: Flags the worker sets itself, last, so that its proxy always finds vLLM.
-PINNED_FLAGS: Mapping[str, str] = {
-    "--host": "the worker pins vLLM's host (127.0.0.1) so that only its proxy reaches it",
-    "--port": "the worker pins vLLM's port; set VLLM_PORT to change it",
-}
-
-#: Flags that would stop the worker from reaching vLLM (or make vLLM exit), with the reason.
-FORBIDDEN_FLAGS: Mapping[str, str] = {
-    "--api-key": (
-        "the worker calls vLLM on 127.0.0.1 without a key (the port is never exposed); "
-        "the platform authenticates requests"
-    ),
-    "--uds": "vLLM must listen on the host and port the worker proxies to",
-    "--headless": "a headless vLLM starts no API server for the worker to proxy to",
-    "--grpc": "it replaces the HTTP API the worker proxies to",
-    "--help": "vLLM would print its help and exit; see `vllm serve --help=all`",
-    "--config": "name the YAML file in VLLM_CONFIG_FILE instead",
-    "--hf-token": "keep the token in HF_TOKEN: vLLM reads it from the environment",
-}
-_FORBIDDEN_PREFIXES: Mapping[str, str] = {
-    "--ssl-": "the worker speaks plain HTTP to vLLM on 127.0.0.1 (the platform terminates TLS)",
-    "--enable-ssl-": "the worker speaks plain HTTP to vLLM on 127.0.0.1 (the platform "
-    "terminates TLS)",
-}
 
 #: Values that mean "not set" for some flags (earlier releases of the worker used them).
 UNSET_VALUES: Mapping[str, str] = {"MAX_NUM_BATCHED_TOKENS": "0"}
@@ -199,7 +175,7 @@ def _record_config_file(
 ) -> str | None:
     """Record ``--config`` and the flags its YAML file sets; the file's path (None: no file)."""
     config_path, config_flags = read_config_file(values, catalog, config_default, file_exists,
-                                                 read_text, warnings, _check_explicit_flag)
+                                                 read_text, warnings, check_explicit_flag)
     if config_path is not None:
         explicit = bool(values.get("VLLM_CONFIG_FILE", "").strip())
         source = FlagSource("env", "VLLM_CONFIG_FILE") if explicit else FlagSource("worker")
@@ -361,7 +337,7 @@ def _typo_targets(catalog: FlagCatalog) -> frozenset[str]:
     """The names a typo is taken for: every flag variable the worker passes on, its settings
     and its aliases (not the reserved flags, secrets, or names that belong to others)."""
     flags = {flag.env_name for flag in catalog
-             if _reserved_reason(flag.name) is None and not is_secret_name(flag.env_name)}
+             if reserved_reason(flag.name) is None and not is_secret_name(flag.env_name)}
     return frozenset((flags | WORKER_SETTING_NAMES | ALIASES.keys()) - COLLIDING_NAMES)
 
 
@@ -401,7 +377,7 @@ def _flag_of(
         else:
             return None, "unknown"
         return None, ""
-    reason = _reserved_reason(flag.name)
+    reason = reserved_reason(flag.name)
     if reason is not None:
         warnings.append(f"{var} is ignored: {reason}")
         return None, ""
@@ -412,34 +388,6 @@ def _flag_of(
         )
         return None, ""
     return flag, "env"
-
-
-def _reserved_reason(name: str) -> str | None:
-    """Why the worker never sets flag ``name`` from the environment (None: it may)."""
-    if name in PINNED_FLAGS:
-        return PINNED_FLAGS[name]
-    if name in FORBIDDEN_FLAGS:
-        return FORBIDDEN_FLAGS[name]
-    for prefix, reason in _FORBIDDEN_PREFIXES.items():
-        if name.startswith(prefix):
-            return reason
-    return None
-
-
-def _check_explicit_flag(name: str, where: str, warnings: list[str]) -> None:
-    """Vet a flag written out by the user (config file, VLLM_EXTRA_ARGS).
-
-    Pinned flags are overridden by the worker (a warning); flags that would cut the worker
-    off from vLLM, or put a secret in argv, are a ConfigError.
-    """
-    if name in PINNED_FLAGS:
-        warnings.append(f"{name} in {where} is overridden: {PINNED_FLAGS[name]}")
-        return
-    reason = _reserved_reason(name)
-    if reason is None and name in SECRET_FLAGS:
-        reason = "secrets never go on the command line"
-    if reason is not None:
-        raise ConfigError(f"{where}: {name} cannot be used: {reason}")
 
 
 def _extra_args(
@@ -473,7 +421,7 @@ def _extra_args(
         if flag is None and not base.startswith("--"):
             continue  # a value such as -1, or a short option vLLM may know better than us
         name = flag.name if flag is not None else "--" + base[2:].replace("_", "-")
-        _check_explicit_flag(name, "VLLM_EXTRA_ARGS", warnings)
+        check_explicit_flag(name, "VLLM_EXTRA_ARGS", warnings)
         if flag is None and (elsewhere := history().note(env_name(name),
                                                           catalog.running_version)):
             warnings.append(f"VLLM_EXTRA_ARGS sets {name}, which vLLM will refuse: {elsewhere}")
