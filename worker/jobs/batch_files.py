@@ -65,6 +65,7 @@ RESULTS_DIR = "batch-results"
 _RETRIED = 429
 
 
+_BACKOFF = wait_exponential(multiplier=1, max=4)  # 1 s, 2 s (then 4 s)
 #: The longest pause a store's Retry-After gets before the next try of a write (s): the
 #: job's lines are done and wait for it.
 MAX_RETRY_AFTER = 30.0
@@ -101,7 +102,7 @@ def pause(state: RetryCallState) -> float:
     failed = state.outcome.exception() if state.outcome is not None else None
     if isinstance(failed, _Transient) and failed.retry_after is not None:
         return min(failed.retry_after, MAX_RETRY_AFTER)
-    return float(wait_exponential(multiplier=1, max=4)(state))
+    return float(_BACKOFF(state))
 
 
 @dataclass(frozen=True)

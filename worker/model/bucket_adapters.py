@@ -76,9 +76,15 @@ def answers_path(env: Mapping[str, str]) -> str | None:
     value, folder = env.get(URI_VARIABLE, "").strip(), env.get(DIR_VARIABLE, "").strip()
     if not value.startswith("s3://") or not folder:
         return None
-    bucket, _, prefix = value.removeprefix("s3://").partition("/")
-    parts = [part for part in prefix.split("/") if part]
+    bucket, parts = _bucket_and_prefix(value)
     return os.path.join(folder, bucket, "/".join(parts) or "_", ANSWERS)
+
+
+def _bucket_and_prefix(value: str) -> tuple[str, list[str]]:
+    """``s3://bucket/a//b/``'s bucket and the parts of its prefix (``["a", "b"]``), as the
+    plugin reads them (``parse_uri``)."""
+    bucket, _, prefix = value.removeprefix("s3://").partition("/")
+    return bucket, [part for part in prefix.split("/") if part]
 
 
 @dataclass(frozen=True)
@@ -106,8 +112,7 @@ def bucket_adapters(
     value = env.get(URI_VARIABLE, "").strip()
     if not value:
         return None
-    bucket, _, prefix = value.removeprefix("s3://").partition("/")
-    parts = [part for part in prefix.split("/") if part]
+    bucket, parts = _bucket_and_prefix(value)
     if (not value.startswith("s3://") or not bucket or any(c in value for c in "?#")
             or any(part in (".", "..") for part in parts)):
         return ConfigError(
