@@ -214,8 +214,8 @@ class QueueWorker:
                 loop.remove_signal_handler(sig)
 
     async def _prestart(self) -> StartOutcome:
-        # The SDK's import (~1.5 s) runs while vLLM loads.
-        sdk_imported = asyncio.create_task(asyncio.to_thread(_import_sdk))
+        # The SDK's import (~0.4 s here: worker/jobs/sdk.py) runs while vLLM loads.
+        sdk_imported = asyncio.create_task(asyncio.to_thread(sdk.load))
         try:
             return await self.startup.run()
         finally:
@@ -363,9 +363,3 @@ class QueueWorker:
         if process is None or (code := await process.exited_within(0.5)) is None:
             return None
         return process.death_reason(code)
-
-
-def _import_sdk() -> None:
-    # Heavy (~0.4 s here, 1.6 s with the SDK's CPU probe: worker/jobs/sdk.py): done in a
-    # thread while vLLM loads.
-    sdk.load()
